@@ -1,0 +1,40 @@
+# Two entry points for a fresh Debian machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test test-fast lint sysdeps venv bench clean
+
+sysdeps:
+	bash scripts/install-system-deps.sh
+
+# torch is pinned first so that nothing pulls a CUDA build from the registry.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[mpi,torch,tensorflow,dev]"
+	touch $@
+
+venv: sysdeps $(STAMP)
+
+demo: venv
+	$(VENV)/bin/hpc-horovod run -np 2 $(PY) examples/pytorch_digits.py --epochs 5 --checkpoint-dir $(VENV)/demo-checkpoints --no-resume
+
+test: venv
+	$(PY) -m ruff check hpc_horovod tests examples benchmarks
+	$(PY) -m pytest -q --timeout=600 tests
+
+lint: venv
+	$(PY) -m ruff check hpc_horovod tests examples benchmarks
+
+bench: venv
+	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,48 @@
+"""``hpc-horovod``: one entry point, one sub-command per job a user has.
+
+Each sub-command lives in the module that does the work and registers itself through a
+``register(subparsers)`` function; this file only assembles them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .version import __version__
+
+#: modules that provide sub-commands, in the order ``--help`` lists them
+COMMAND_MODULES = (
+    "hpc_horovod.launch",  # run
+    "hpc_horovod.check_build",  # check-build
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpc-horovod",
+        description="Data-parallel training on SLURM clusters, Horovod style.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpc_horovod {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"hpc-horovod {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine shared by every binding: topology, settings, negotiation, fusion, execution."""

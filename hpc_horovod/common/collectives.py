@@ -1,0 +1,120 @@
+"""Execution of the agreed non-allreduce collectives on one rank's share (None when joined)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .fusion import scale_factors, wire_dtype
+from .request import Request
+from .types import Average, Signature, Sum
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+
+
+def allgather_group(backend, group: list[tuple[Signature, Request | None]]) -> None:
+    """Gather along dim 0 (sizes may differ per rank); one count exchange for the group."""
+    mine = np.array([req.tensor.shape[0] if req is not None else 0 for _, req in group],
+                    dtype=np.int64)
+    counts = backend.allgather_ints(mine)  # (size, len(group))
+    for j, (sig, req) in enumerate(group):
+        rest = sig.shape[1:]
+        dtype = np.dtype(sig.dtype)
+        per_rank = counts[:, j].tolist()
+        out = np.empty((sum(per_rank),) + rest, dtype=dtype)
+        send = req.tensor if req is not None else np.empty((0,) + rest, dtype=dtype)
+        row = _rows(sig.shape)
+        backend.allgatherv(send, out, [c * row for c in per_rank])
+        if req is not None:
+            req.result = out
+
+
+def broadcast_one(backend, sig: Signature, req: Request | None) -> None:
+    if req is None:
+        buf = np.empty(sig.shape, dtype=np.dtype(sig.dtype))
+    elif req.output is not None:
+        buf = req.output
+        if buf is not req.tensor and backend.rank == sig.root:
+            buf[...] = req.tensor
+    else:
+        buf = req.tensor.copy() if backend.rank == sig.root else np.empty_like(req.tensor)
+    backend.bcast(buf, sig.root)
+    if req is not None:
+        req.result = buf
+
+
+def alltoall_one(backend, sig: Signature, req: Request) -> None:
+    """Rank i sends ``splits[j]`` rows to rank j; returns (received tensor, received splits)."""
+    tensor = req.tensor
+    size = backend.size
+    d0 = tensor.shape[0] if tensor.ndim else 0
+    if req.splits is None:
+        if d0 % size:
+            raise ValueError(f"alltoall: the first dimension ({d0}) is not divisible by the "
+                             f"number of ranks ({size}); pass splits")
+        splits = np.full(size, d0 // size, dtype=np.int64)
+    else:
+        splits = np.asarray(req.splits, dtype=np.int64).reshape(-1)
+    recv_splits = backend.alltoall_ints(splits)
+    row = _rows(tensor.shape)
+    out = np.empty((int(recv_splits.sum()),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    backend.alltoallv(np.ascontiguousarray(tensor), (splits * row).tolist(), out,
+                      (recv_splits * row).tolist())
+    req.result = (out, recv_splits)
+
+
+def reducescatter_one(backend, sig: Signature, req: Request) -> None:
+    """Reduce then scatter along dim 0; with uneven sizes the first ranks get one more row."""
+    tensor = req.tensor
+    size = backend.size
+    d0 = tensor.shape[0]
+    base, extra = divmod(d0, size)
+    rows = [base + (1 if r < extra else 0) for r in range(size)]
+    row = _rows(tensor.shape)
+    dtype = tensor.dtype
+    wire = wire_dtype(dtype, sig.op)
+    pre, post = scale_factors(sig, size)
+    send = np.empty(tensor.size, dtype=wire)
+    if pre == 1.0:
+        send[...] = tensor.reshape(-1)
+    else:
+        np.multiply(tensor.reshape(-1), pre, out=send, casting="unsafe")
+    recv = np.empty(rows[backend.rank] * row, dtype=wire)
+    op = Sum if sig.op == Average else sig.op
+    backend.reduce_scatter(send, recv, [r * row for r in rows], op)
+    if post != 1.0:
+        np.multiply(recv, post, out=recv, casting="unsafe")
+    req.result = recv.astype(dtype, copy=False).reshape((rows[backend.rank],) + tensor.shape[1:])
+
+
+def adasum_one(backend, sig: Signature, req: Request | None) -> None:
+    """Adasum (Maleki et al.): pairwise combination ``(1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b``
+    applied as a binary tree over ranks in order, computed identically on every rank from the
+    gathered vectors (in float64)."""
+    dtype = np.dtype(sig.dtype)
+    n = int(np.prod(sig.shape, dtype=np.int64))
+    local = (req.tensor.reshape(-1).astype(np.float64) * sig.prescale if req is not None
+             else np.zeros(n))
+    gathered = np.empty(n * backend.size, dtype=np.float64)
+    backend.allgatherv(local, gathered, [n] * backend.size)
+    vectors = list(gathered.reshape(backend.size, n))
+    while len(vectors) > 1:
+        paired = [_adasum_pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors) - 1, 2)]
+        if len(vectors) % 2:
+            paired.append(vectors[-1])
+        vectors = paired
+    if req is not None:
+        result = (vectors[0] * sig.postscale).astype(dtype).reshape(sig.shape)
+        if req.output is not None:
+            req.output[...] = result
+            result = req.output
+        req.result = result
+
+
+def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    dot = float(a @ b)
+    na, nb = float(a @ a), float(b @ b)
+    ca = 1.0 - dot / (2 * na) if na > 0 else 1.0
+    cb = 1.0 - dot / (2 * nb) if nb > 0 else 1.0
+    return ca * a + cb * b

@@ -1,0 +1,41 @@
+"""Typed errors. Collective failures are RuntimeErrors, as in Horovod; launch mistakes are
+TopologyErrors whose message always names the fix."""
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (mismatched metadata, a peer that died or stalled, an MPI error).
+
+    Raised on every rank that takes part, with the same text, at ``synchronize``.
+    """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Kept for API compatibility with Horovod's elastic mode, which is not supported."""
+
+
+class TopologyError(RuntimeError):
+    """The processes were started in a way that cannot work; the message says how to fix it."""
+
+
+class BatchScriptWithoutSrunError(TopologyError):
+    """The job script itself runs the training while the job asked for several tasks."""
+
+
+class SallocShellError(TopologyError):
+    """The training was started in an ``salloc`` shell, outside any job step."""
+
+
+class HeterogeneousJobError(TopologyError):
+    """The step spans the components of a heterogeneous job."""
+
+
+class MpiWiringError(TopologyError):
+    """MPI's world does not match the step SLURM (or the launcher) announced."""
+
+
+class UnsupportedLauncherError(TopologyError):
+    """A launcher that cannot wire MPI (e.g. torchrun) started several processes."""
+
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+SHUT_DOWN = "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to submit an operation after hvd.shutdown()."  # noqa: E501

@@ -1,0 +1,129 @@
+"""Allreduce of a group of agreed tensors through one fusion buffer and one backend call.
+
+Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
+prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
+pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
+unpacking them copies nothing; in-place requests are written back. float16/bfloat16 are reduced in
+float32 unless the native extension provides MPI operations for them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .request import Request
+from .types import HALF_DTYPES, Average, Signature, Sum
+
+try:  # optional native fast path (src_native/); the package works without it
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+
+def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
+    """(factor applied while packing, factor applied after the reduction)."""
+    average = 1.0 / size if sig.op == Average else 1.0
+    is_float = np.dtype(sig.dtype).kind == "f"
+    if sig.op in (Sum, Average) and is_float:
+        return sig.prescale * sig.postscale * average, 1.0
+    return sig.prescale, sig.postscale * average
+
+
+def wire_dtype(dtype: np.dtype, op: int) -> np.dtype:
+    """The dtype that goes on the wire: half types are widened unless the native op exists."""
+    if dtype in HALF_DTYPES:
+        if _native is not None and op in (Sum, Average) and _native.has_half_sum():
+            return dtype
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _scale_into(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
+    if factor == 1.0:
+        dst[...] = src
+    elif dst.dtype.kind == "f":
+        np.multiply(src, factor, out=dst, dtype=np.float32 if dst.dtype.itemsize < 4
+                    else dst.dtype, casting="unsafe")
+    else:
+        np.multiply(src, factor, out=dst, casting="unsafe")
+
+
+def _scale_inplace(buf: np.ndarray, factor: float) -> None:
+    if factor != 1.0:
+        _scale_into(buf, factor, buf)
+
+
+def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> None:
+    """Reduce every tensor of ``group`` (same dtype, op and scale factors) in one call.
+
+    A ``None`` request is a joined rank's share: it contributes zeros.
+    """
+    sig = group[0][0]
+    dtype = np.dtype(sig.dtype)
+    op = Sum if sig.op == Average else sig.op
+    wire = wire_dtype(dtype, sig.op)
+    pre, post = scale_factors(sig, backend.size)
+    if len(group) == 1 and wire == dtype and group[0][1] is not None:
+        _reduce_one(backend, group[0][1], op, pre, post)
+        return
+    sizes = [int(np.prod(s.shape, dtype=np.int64)) for s, _ in group]
+    buf = np.empty(sum(sizes), dtype=wire)
+    offset = 0
+    for (_, req), n in zip(group, sizes):
+        seg = buf[offset:offset + n]
+        if req is None:
+            seg[...] = 0
+        else:
+            _scale_into(req.tensor.reshape(-1), pre, seg)
+        offset += n
+    backend.allreduce(buf, op)
+    _scale_inplace(buf, post)
+    offset = 0
+    for (s, req), n in zip(group, sizes):
+        seg = buf[offset:offset + n]
+        offset += n
+        if req is None:
+            continue
+        if req.output is not None:
+            req.output.reshape(-1)[...] = seg
+            req.result = req.output
+        elif wire != dtype:
+            req.result = seg.astype(dtype).reshape(s.shape)
+        else:
+            req.result = seg.reshape(s.shape)
+
+
+def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None:
+    if req.output is not None:
+        out = req.output
+        if out is not req.tensor:
+            _scale_into(req.tensor, pre, out)
+        else:
+            _scale_inplace(out, pre)
+    else:
+        out = np.empty(req.tensor.shape, dtype=req.tensor.dtype)
+        _scale_into(req.tensor, pre, out)
+    backend.allreduce(out, op)
+    _scale_inplace(out, post)
+    req.result = out
+
+
+def group_allreduces(entries: list[tuple[Signature, Request | None]], threshold: int):
+    """Split ready allreduces into fusable groups (same dtype/op/scales, at most ``threshold``
+    bytes each), keeping the agreed order inside each group."""
+    groups: dict[tuple, list[list]] = {}
+    order: list[list] = []
+    for sig, req in entries:
+        key = (sig.dtype, sig.op, sig.prescale, sig.postscale)
+        nbytes = int(np.prod(sig.shape, dtype=np.int64)) * np.dtype(sig.dtype).itemsize
+        bucket = groups.get(key)
+        if bucket is None or bucket[-1][0] + nbytes > threshold and bucket[-1][1]:
+            current = [0, []]
+            groups.setdefault(key, []).append(current)
+            order.append(current)
+            bucket = groups[key]
+        current = bucket[-1]
+        current[0] += nbytes
+        current[1].append((sig, req))
+    return [items for _, items in order]
+

@@ -1,0 +1,178 @@
+"""Agreeing on which tensors are ready on every rank. Pure functions and one deterministic cache.
+
+Two paths, as in Horovod:
+
+* steady state: every tensor name that was agreed once owns a bit in the :class:`ResponseCache`;
+  a cycle is one bitwise-AND allreduce of those bits (plus two flag words), no names on the wire;
+* otherwise (a new name, changed metadata, a stall report, a shutdown) every rank gathers all
+  ranks' pending ``(name, signature)`` lists and :func:`match` decides, identically everywhere,
+  which names are ready and which disagree.
+
+The cache changes only through :func:`match`'s output, in the same order on every rank, so bit
+assignments never diverge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import Signature, mismatch_message
+
+# Flags OR-ed over ranks (sent inverted in a word that is AND-ed).
+FLAG_UNCACHED = 1
+FLAG_SHUTDOWN = 2
+FLAG_STALL = 4
+FLAG_ABORT = 8
+# Flags AND-ed over ranks.
+FLAG_JOINED = 1
+
+
+class ResponseCache:
+    """Name -> (bit, signature) for tensors already agreed on; identical on every rank."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: dict[str, tuple[int, Signature]] = {}
+        self._names: list[str | None] = []
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nwords(self) -> int:
+        return (len(self._names) + 63) // 64
+
+    def bit(self, name: str, signature: Signature) -> int | None:
+        entry = self._entries.get(name)
+        return entry[0] if entry is not None and entry[1] == signature else None
+
+    def name(self, bit: int) -> str | None:
+        return self._names[bit]
+
+    def signature(self, name: str) -> Signature:
+        return self._entries[name][1]
+
+    def valid_bits(self) -> int:
+        mask = 0
+        for bit, _ in self._entries.values():
+            mask |= 1 << bit
+        return mask
+
+    def put(self, name: str, signature: Signature) -> None:
+        entry = self._entries.get(name)
+        if entry is not None:
+            if entry[1] == signature:
+                return
+            self.evict(name)
+        if self._free:
+            bit = min(self._free)
+            self._free.remove(bit)
+        elif len(self._names) < self.capacity:
+            bit = len(self._names)
+            self._names.append(None)
+        else:
+            return
+        self._names[bit] = name
+        self._entries[name] = (bit, signature)
+
+    def evict(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self._names[entry[0]] = None
+            self._free.append(entry[0])
+
+
+def pack_words(or_flags: int, and_flags: int, bits: int, nwords: int) -> np.ndarray:
+    """The negotiation vector: inverted OR flags, AND flags, then the cache bits."""
+    words = np.empty(2 + nwords, dtype=np.uint64)
+    words[0] = ~np.uint64(or_flags)
+    words[1] = and_flags
+    if nwords:
+        words[2:] = np.frombuffer(bits.to_bytes(8 * nwords, "little"), dtype=np.uint64)
+    return words
+
+
+def unpack_words(words: np.ndarray) -> tuple[int, int, int]:
+    or_flags = int(~words[0])
+    and_flags = int(words[1])
+    bits = int.from_bytes(words[2:].tobytes(), "little") if len(words) > 2 else 0
+    return or_flags, and_flags, bits
+
+
+def iter_bits(mask: int):
+    """Set bit indices of ``mask`` in increasing order."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+@dataclass
+class Agreement:
+    """The outcome of one full negotiation, the same on every rank."""
+
+    ready: list[tuple[str, Signature]]  # in execution order
+    errors: list[tuple[str, str]]  # (name, message)
+    waiting: dict[str, list[int]]  # name -> ranks that have not submitted it
+
+
+def match(gathered: list[list[tuple[str, Signature]]], joined: set[int]) -> Agreement:
+    """Decide from every rank's pending list which names are ready and which disagree.
+
+    A name is ready when every rank either submitted it or has joined. Order of execution is the
+    order of first appearance scanning ranks in order, so it is identical on every rank.
+    """
+    size = len(gathered)
+    table: dict[str, dict[int, Signature]] = {}
+    for rank, entries in enumerate(gathered):
+        for name, sig in entries:
+            table.setdefault(name, {})[rank] = sig
+    ready, errors, waiting = [], [], {}
+    for name, by_rank in table.items():
+        missing = [r for r in range(size) if r not in by_rank and r not in joined]
+        if missing:
+            waiting[name] = missing
+            continue
+        ranks = sorted(by_rank)
+        first = by_rank[ranks[0]]
+        message = None
+        for other in ranks[1:]:
+            message = mismatch_message(first, by_rank[other])
+            if message:
+                message += f" [tensor '{name}': rank {ranks[0]} vs rank {other}]"
+                break
+        if message is None and joined and first.kind not in ("allreduce", "allgather",
+                                                             "broadcast", "barrier"):
+            message = (f"{first.kind} is not supported while ranks {sorted(joined)} have "
+                       f"joined [tensor '{name}']")
+        if message is None and first.kind == "broadcast" and first.root in joined:
+            message = (f"the broadcast root rank {first.root} has already joined "
+                       f"[tensor '{name}']")
+        if message:
+            errors.append((name, message))
+        else:
+            ready.append((name, first))
+    return Agreement(ready, errors, waiting)
+
+
+def stall_message(waiting: dict[str, list[int]], seconds: float) -> str:
+    """Horovod's stall warning, naming the missing ranks and the tensors they owe."""
+    by_rank: dict[int, list[str]] = {}
+    for name, ranks in waiting.items():
+        for rank in ranks:
+            by_rank.setdefault(rank, []).append(name)
+    lines = [
+        "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of "
+        f"ranks and are waiting for remainder of ranks for more than {seconds:g} seconds. This "
+        "may indicate that different ranks are trying to submit different tensors or that only "
+        "subset of ranks is submitting tensors, which will cause deadlock.",
+        "Missing ranks:",
+    ]
+    for rank in sorted(by_rank):
+        names = by_rank[rank]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        lines.append(f"{rank}: [{shown}]")
+    return "\n".join(lines)

@@ -1,0 +1,310 @@
+"""Collectives on numpy arrays: the framework-neutral API, and what the bindings call with
+zero-copy array views of their tensors."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import cloudpickle
+import numpy as np
+
+from . import basics
+from .basics import ProcessSet, global_process_set
+from .request import Request
+from .types import Average, Sum, check_dtype
+
+
+def resolve_op(op: int | None, average: bool | None) -> int:
+    """Horovod's rules for the deprecated ``average=`` argument."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _ps_id(process_set: ProcessSet) -> int:
+    ps_id = process_set.process_set_id
+    if ps_id is None:
+        raise ValueError(f"{process_set} is not registered (was it removed?)")
+    return ps_id
+
+
+def _array(tensor, kind: str) -> np.ndarray:
+    array = np.asarray(tensor)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def submit(requests: list[Request]) -> list[int]:
+    return basics.engine().enqueue(requests)
+
+
+def _name(name: str | None, ps_id: int, kind: str) -> str:
+    return name if name is not None else basics.next_name(ps_id, kind)
+
+
+def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set, output=None) -> Request:
+    op = resolve_op(op, average)
+    check_dtype(array.dtype, "allreduce", op)
+    ps_id = _ps_id(process_set)
+    return Request("allreduce", _name(name, ps_id, "allreduce"), array, output=output, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor, process_set_id=ps_id)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Start an allreduce; returns a handle for ``poll``/``synchronize``. Default op: Average."""
+    req = allreduce_request(_array(tensor, "allreduce"), name=name, op=op, average=average,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set)
+    return submit([req])[0]
+
+
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set) -> np.ndarray:
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
+                                       postscale_factor, process_set))
+
+
+def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set) -> int:
+    """In-place allreduce of a writable C-contiguous array."""
+    if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
+            not tensor.flags.writeable:
+        raise ValueError("in-place allreduce needs a writable C-contiguous numpy array")
+    req = allreduce_request(tensor, name=name, op=op, average=average,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set, output=tensor)
+    return submit([req])[0]
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set) -> np.ndarray:
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def _group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
+    base = _name(name, ps_id, f"grouped_{kind}")
+    return [f"{base}.{i}" for i in range(n)]
+
+
+def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
+                            prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set) -> list[int]:
+    names = _group_names(name, len(tensors), _ps_id(process_set), "allreduce")
+    reqs = [allreduce_request(_array(t, "allreduce"), name=n, op=op, average=average,
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                              process_set=process_set) for t, n in zip(tensors, names)]
+    return submit(reqs)
+
+
+def grouped_allreduce(tensors: Sequence, average=None, name=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set) -> list[np.ndarray]:
+    handles = grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                      postscale_factor, process_set)
+    return [synchronize(h) for h in handles]
+
+
+def allgather_request(array: np.ndarray, *, name=None, process_set=global_process_set):
+    check_dtype(array.dtype, "allgather")
+    if array.ndim == 0:
+        array = array.reshape(1)
+    ps_id = _ps_id(process_set)
+    return Request("allgather", _name(name, ps_id, "allgather"), array, process_set_id=ps_id)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    """Concatenate every rank's tensor along dim 0 (dim 0 may differ between ranks)."""
+    return submit([allgather_request(_array(tensor, "allgather"), name=name,
+                                     process_set=process_set)])[0]
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> np.ndarray:
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence, name=None,
+                            process_set=global_process_set) -> list[int]:
+    names = _group_names(name, len(tensors), _ps_id(process_set), "allgather")
+    return submit([allgather_request(_array(t, "allgather"), name=n, process_set=process_set)
+                   for t, n in zip(tensors, names)])
+
+
+def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_set):
+    return [synchronize(h) for h in grouped_allgather_async(tensors, name, process_set)]
+
+
+def broadcast_request(array: np.ndarray, root_rank: int, *, name=None,
+                      process_set=global_process_set, output=None) -> Request:
+    check_dtype(array.dtype, "broadcast")
+    ps_id = _ps_id(process_set)
+    n = process_set.size()
+    if not 0 <= root_rank < n:
+        raise ValueError(f"broadcast root_rank {root_rank} is not a rank of a process set of "
+                         f"size {n}")
+    return Request("broadcast", _name(name, ps_id, "broadcast"), array, output=output,
+                   root=root_rank, process_set_id=ps_id)
+
+
+def broadcast_async(tensor, root_rank: int, name=None, process_set=global_process_set) -> int:
+    return submit([broadcast_request(_array(tensor, "broadcast"), root_rank, name=name,
+                                     process_set=process_set)])[0]
+
+
+def broadcast(tensor, root_rank: int, name=None, process_set=global_process_set) -> np.ndarray:
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor: np.ndarray, root_rank: int, name=None,
+                     process_set=global_process_set) -> int:
+    if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
+        raise ValueError("in-place broadcast needs a C-contiguous numpy array")
+    return submit([broadcast_request(tensor, root_rank, name=name, process_set=process_set,
+                                     output=tensor)])[0]
+
+
+def broadcast_(tensor, root_rank: int, name=None, process_set=global_process_set):
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_request(array: np.ndarray, splits=None, *, name=None,
+                     process_set=global_process_set) -> Request:
+    check_dtype(array.dtype, "alltoall")
+    if array.ndim == 0:
+        array = array.reshape(1)
+    ps_id = _ps_id(process_set)
+    n = process_set.size()
+    if splits is not None:
+        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if splits.size != n:
+            raise ValueError(f"alltoall: splits has {splits.size} entries but the process set "
+                             f"has {n} ranks")
+        if (splits < 0).any() or int(splits.sum()) != array.shape[0]:
+            raise ValueError(f"alltoall: splits {splits.tolist()} must be non-negative and sum "
+                             f"to the first dimension {array.shape[0]}")
+    elif array.shape[0] % n:
+        raise ValueError(f"alltoall: the first dimension ({array.shape[0]}) is not divisible "
+                         f"by the number of ranks ({n}); pass splits")
+    return Request("alltoall", _name(name, ps_id, "alltoall"), array, splits=splits,
+                   process_set_id=ps_id)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    return submit([alltoall_request(_array(tensor, "alltoall"), splits, name=name,
+                                    process_set=process_set)])[0]
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send ``splits[j]`` rows to rank j; returns ``(received, received_splits)``."""
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
+
+
+def reducescatter_request(array: np.ndarray, *, name=None, op=None,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0) -> Request:
+    op = Average if op is None else op
+    check_dtype(array.dtype, "reducescatter", op)
+    if array.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    from .types import Adasum
+
+    if op == Adasum:
+        raise ValueError("reducescatter does not support Adasum")
+    ps_id = _ps_id(process_set)
+    return Request("reducescatter", _name(name, ps_id, "reducescatter"), array, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor, process_set_id=ps_id)
+
+
+def reducescatter_async(tensor, name=None, op=None, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> int:
+    return submit([reducescatter_request(_array(tensor, "reducescatter"), name=name, op=op,
+                                         process_set=process_set,
+                                         prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor)])[0]
+
+
+def reducescatter(tensor, name=None, op=None, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0) -> np.ndarray:
+    """Reduce over ranks, then give rank i the i-th block of rows (first ranks one more row
+    when dim 0 does not divide evenly)."""
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                           postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence, name=None, op=None,
+                                process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0) -> list[int]:
+    names = _group_names(name, len(tensors), _ps_id(process_set), "reducescatter")
+    return submit([reducescatter_request(_array(t, "reducescatter"), name=n, op=op,
+                                         process_set=process_set,
+                                         prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor)
+                   for t, n in zip(tensors, names)])
+
+
+def grouped_reducescatter(tensors: Sequence, name=None, op=None, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    return [synchronize(h) for h in grouped_reducescatter_async(
+        tensors, name, op, process_set, prescale_factor, postscale_factor)]
+
+
+def barrier(process_set=global_process_set) -> None:
+    ps_id = _ps_id(process_set)
+    synchronize(submit([Request("barrier", basics.next_name(ps_id, "barrier"),
+                                process_set_id=ps_id)])[0])
+
+
+def join(device: int = -1, process_set=global_process_set) -> int:
+    """Wait until every rank has joined; meanwhile this rank contributes zeros to allreduces.
+
+    Returns the rank that joined last (for uneven data: ranks with fewer batches join early).
+    """
+    ps_id = _ps_id(process_set)
+    return synchronize(submit([Request("join", "join", process_set_id=ps_id)])[0])
+
+
+def poll(handle: int) -> bool:
+    """True when the operation behind ``handle`` has completed (successfully or not)."""
+    return basics.engine().poll(handle)
+
+
+def synchronize(handle: int):
+    """Wait for ``handle`` and return its output; raise ``HorovodInternalError`` on failure."""
+    return basics.engine().wait(handle).result
+
+
+def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
+    """Broadcast any picklable object (cloudpickle) from ``root_rank``."""
+    ps = process_set
+    name = name or basics.next_name(_ps_id(ps), "broadcast_object")
+    if ps.rank() == root_rank:
+        payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+        length = np.array([payload.size], dtype=np.int64)
+    else:
+        payload, length = None, np.zeros(1, dtype=np.int64)
+    length = broadcast(length, root_rank, name=f"{name}.sz", process_set=ps)
+    if payload is None:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    data = broadcast(payload, root_rank, name=f"{name}.t", process_set=ps)
+    return cloudpickle.loads(data.tobytes())
+
+
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Gather any picklable object from every rank, in rank order."""
+    name = name or basics.next_name(_ps_id(process_set), "allgather_object")
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sz",
+                      process_set=process_set)
+    data = allgather(payload, name=f"{name}.t", process_set=process_set)
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(cloudpickle.loads(data[offset:offset + n].tobytes()))
+        offset += n
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .fusion import scale_factors, wire_dtype
@@ -10,7 +12,7 @@ from .types import Average, Signature, Sum
 
 
 def _rows(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    return math.prod(shape[1:])
 
 
 def allgather_group(backend, group: list[tuple[Signature, Request | None]]) -> None:
@@ -93,7 +95,7 @@ def adasum_one(backend, sig: Signature, req: Request | None) -> None:
     applied as a binary tree over ranks in order, computed identically on every rank from the
     gathered vectors (in float64)."""
     dtype = np.dtype(sig.dtype)
-    n = int(np.prod(sig.shape, dtype=np.int64))
+    n = math.prod(sig.shape)
     local = (req.tensor.reshape(-1).astype(np.float64) * sig.prescale if req is not None
              else np.zeros(n))
     gathered = np.empty(n * backend.size, dtype=np.float64)

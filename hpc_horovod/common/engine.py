@@ -359,7 +359,7 @@ class Engine:
 
     def _run_group(self, group, tl, activity, fn) -> None:
         if tl is not None:
-            for sig, req in group:
+            for _, req in group:
                 if req is not None:
                     tl.negotiate_end(req.name)
                     tl.op_start(req.name, activity)

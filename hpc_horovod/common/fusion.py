@@ -9,6 +9,9 @@ float32 unless the native extension provides MPI operations for them.
 
 from __future__ import annotations
 
+import math
+import sys
+
 import numpy as np
 
 from .request import Request
@@ -18,6 +21,40 @@ try:  # optional native fast path (src_native/); the package works without it
     from .. import _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
+
+
+class BufferPool:
+    """Large result buffers, reused once the caller has dropped every view of them.
+
+    A fresh 16 MiB ``np.empty`` costs thousands of page faults on first touch, as much as the
+    copy it holds. A pooled buffer is handed out again only when its reference count shows that
+    nothing outside the pool (no result array, no view, no torch tensor sharing it) still holds
+    it, so reuse is never observable.
+    """
+
+    MIN_BYTES = 1 << 20
+    PER_SIZE = 4
+
+    def __init__(self):
+        self._buffers: dict[int, list[np.ndarray]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return np.empty(shape, dtype=dtype)
+        buffers = self._buffers.setdefault(nbytes, [])
+        for buf in buffers:
+            # References: the list, this loop variable and getrefcount's argument.
+            if sys.getrefcount(buf) == 3:
+                return buf.view(dtype).reshape(shape)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if len(buffers) < self.PER_SIZE:
+            buffers.append(buf)
+        return buf.view(dtype).reshape(shape)
+
+
+pool = BufferPool()
 
 
 def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
@@ -66,8 +103,8 @@ def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> N
     if len(group) == 1 and wire == dtype and group[0][1] is not None:
         _reduce_one(backend, group[0][1], op, pre, post)
         return
-    sizes = [int(np.prod(s.shape, dtype=np.int64)) for s, _ in group]
-    buf = np.empty(sum(sizes), dtype=wire)
+    sizes = [math.prod(s.shape) for s, _ in group]
+    buf = pool.empty((sum(sizes),), wire)
     offset = 0
     for (_, req), n in zip(group, sizes):
         seg = buf[offset:offset + n]
@@ -101,7 +138,7 @@ def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None
         else:
             _scale_inplace(out, pre)
     else:
-        out = np.empty(req.tensor.shape, dtype=req.tensor.dtype)
+        out = pool.empty(req.tensor.shape, req.tensor.dtype)
         _scale_into(req.tensor, pre, out)
     backend.allreduce(out, op)
     _scale_inplace(out, post)
@@ -111,18 +148,15 @@ def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None
 def group_allreduces(entries: list[tuple[Signature, Request | None]], threshold: int):
     """Split ready allreduces into fusable groups (same dtype/op/scales, at most ``threshold``
     bytes each), keeping the agreed order inside each group."""
-    groups: dict[tuple, list[list]] = {}
+    open_groups: dict[tuple, list] = {}  # key -> [bytes, items] of the group being filled
     order: list[list] = []
     for sig, req in entries:
         key = (sig.dtype, sig.op, sig.prescale, sig.postscale)
-        nbytes = int(np.prod(sig.shape, dtype=np.int64)) * np.dtype(sig.dtype).itemsize
-        bucket = groups.get(key)
-        if bucket is None or bucket[-1][0] + nbytes > threshold and bucket[-1][1]:
-            current = [0, []]
-            groups.setdefault(key, []).append(current)
+        nbytes = math.prod(sig.shape) * sig.dtype.itemsize
+        current = open_groups.get(key)
+        if current is None or (current[0] + nbytes > threshold and current[1]):
+            current = open_groups[key] = [0, []]
             order.append(current)
-            bucket = groups[key]
-        current = bucket[-1]
         current[0] += nbytes
         current[1].append((sig, req))
     return [items for _, items in order]

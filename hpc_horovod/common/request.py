@@ -38,7 +38,7 @@ class Request:
             shape = tuple(tensor.shape)
             if kind in VARIABLE_FIRST_DIM and shape:
                 shape = (-1,) + shape[1:]
-            dtype = str(tensor.dtype)
+            dtype = tensor.dtype
         else:
             shape, dtype = (), ""
         self.signature = Signature(kind, dtype, shape, op, root, self.prescale, self.postscale)

@@ -147,7 +147,9 @@ def _slurm_step(env: Mapping[str, str], host: str) -> Topology:
                 f"holds {sum(tasks)}"
             )
         if node is None or not 0 <= node < len(tasks):
-            raise TopologyError(f"SLURM_NODEID={node} is outside the {len(tasks)} nodes of the step")
+            raise TopologyError(
+                f"SLURM_NODEID={node} is outside the {len(tasks)} nodes of the step"
+            )
         local_size = tasks[node]
     else:
         local_size = _int(env, "SLURM_STEP_NUM_TASKS") if node == 0 else None

@@ -23,14 +23,18 @@ SUPPORTED_DTYPES = tuple(
     for d in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, bfloat16,
               np.float32, np.float64, np.bool_)
 )
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 #: dtypes MPI cannot reduce natively; they are reduced in float32 (exact for min/max).
 HALF_DTYPES = (np.dtype(np.float16), bfloat16)
+_PLAIN_OPS = frozenset((Average, Sum, Min, Max, Product))
 
 
 def check_dtype(dtype: np.dtype, kind: str, op: int | None = None) -> None:
     """Raise ValueError for a dtype (or a dtype/op pair) no backend can handle."""
+    if dtype in _SUPPORTED and (op is None or (op in _PLAIN_OPS and dtype.kind != "b")):
+        return  # the common case, kept cheap: it runs once per submitted tensor
     dtype = np.dtype(dtype)
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in _SUPPORTED:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise ValueError(f"{kind} does not support dtype {dtype}; supported dtypes: {names}")
     if op is not None:
@@ -51,7 +55,7 @@ class Signature(NamedTuple):
     """
 
     kind: str
-    dtype: str
+    dtype: np.dtype | str
     shape: tuple[int, ...]
     op: int
     root: int

@@ -27,11 +27,11 @@ demo: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) examples/pytorch_digits.py --epochs 5 --checkpoint-dir $(VENV)/demo-checkpoints --no-resume
 
 test: venv
-	$(PY) -m ruff check hpc_horovod tests examples benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --timeout=600 tests
 
 lint: venv
-	$(PY) -m ruff check hpc_horovod tests examples benchmarks
+	$(PY) -m ruff check .
 
 bench: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py

@@ -16,6 +16,8 @@ from .version import __version__
 COMMAND_MODULES = (
     "hpc_horovod.launch",  # run
     "hpc_horovod.check_build",  # check-build
+    "hpc_horovod.timeline_plot",  # timeline
+    "hpc_horovod.modules.cli",  # module
 )
 
 

@@ -3,11 +3,15 @@
 Sources are tried in this order, and the first that applies wins:
 
 1. explicit ``HOROVOD_RANK``/``HOROVOD_SIZE`` (+ ``HOROVOD_LOCAL_RANK``, ...);
-2. Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_*``). It must win over SLURM: under ``mpirun`` inside
+2. torchrun (``TORCHELASTIC_RUN_ID``), refused when it started several processes. It is always
+   the innermost launcher, so it is checked before the SLURM and MPI variables its workers inherit
+   (``srun torchrun --nproc-per-node=4`` would otherwise give four processes of rank 0);
+3. Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_*``). It must win over SLURM: under ``mpirun`` inside
    an allocation every rank inherits the ``SLURM_PROCID=0`` of the daemon that spawned it;
-3. a SLURM job step (``SLURM_STEP_ID`` with ``SLURM_PROCID``): ``srun python train.py``;
-4. MPICH/Hydra or Intel MPI (``PMI_RANK``/``PMI_SIZE``);
-5. a single process (a laptop, a notebook, a one-task batch script).
+4. a SLURM job step (``SLURM_STEP_ID`` with ``SLURM_PROCID``): ``srun python train.py``;
+5. MPICH/Hydra or Intel MPI (``PMI_RANK``/``PMI_SIZE``);
+6. a single process (a laptop, a notebook, a one-task batch script); a multi-task SLURM job
+   outside ``srun`` is refused instead.
 
 The function is pure over an environment mapping so that every branch is tested with the variable
 sets SLURM and the MPI launchers really produce.
@@ -83,10 +87,20 @@ def _require(env: Mapping[str, str], name: str, launcher: str) -> int:
     return value
 
 
+def _first_int(env: Mapping[str, str], *names: str) -> int | None:
+    """The first of ``names`` that is set (an explicit 0 counts: it is then rejected)."""
+    for name in names:
+        value = _int(env, name)
+        if value is not None:
+            return value
+    return None
+
+
 def _check(rank: int, size: int, local_rank, local_size, source: str) -> None:
     if size < 1 or not 0 <= rank < size:
         raise TopologyError(f"{source}: rank {rank} is not within a job of size {size}")
-    if local_rank is not None and local_size is not None and not 0 <= local_rank < local_size:
+    if local_rank is not None and (local_rank < 0 or local_size is not None
+                                   and local_rank >= local_size):
         raise TopologyError(
             f"{source}: local rank {local_rank} is not within {local_size} local processes"
         )
@@ -135,25 +149,27 @@ def _slurm_step(env: Mapping[str, str], host: str) -> Topology:
             "(e.g. sbatch --nodes=N --ntasks-per-node=G --gres=gpu:G) and run `srun python ...`"
         )
     rank = _require(env, "SLURM_PROCID", "SLURM step")
-    size = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS") or 1
+    size = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    size = 1 if size is None else size
     nodes, tasks = _slurm_layout(env)
     node = _int(env, "SLURM_NODEID")
     local_rank = _int(env, "SLURM_LOCALID")
+    cross_size = len(tasks) or _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
     if tasks:
-        if sum(tasks) != size:
+        if sum(tasks) != size or min(tasks) < 1:
             raise TopologyError(
                 f"SLURM step announces {size} tasks but its layout "
                 f"{env.get('SLURM_STEP_TASKS_PER_NODE') or env.get('SLURM_TASKS_PER_NODE')} "
-                f"holds {sum(tasks)}"
+                f"holds {sum(tasks)} (a node with no task cannot be part of a step)"
             )
-        if node is None or not 0 <= node < len(tasks):
-            raise TopologyError(
-                f"SLURM_NODEID={node} is outside the {len(tasks)} nodes of the step"
-            )
-        local_size = tasks[node]
+        local_size = tasks[node] if node is not None and 0 <= node < len(tasks) else None
     else:
-        local_size = _int(env, "SLURM_STEP_NUM_TASKS") if node == 0 else None
-    cross_size = len(tasks) or _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_NNODES")
+        # Without a layout only a one-node step has a known local size: all of it.
+        local_size = size if cross_size == 1 else None
+    if node is not None and (node < 0 or cross_size is not None and node >= cross_size):
+        raise TopologyError(f"SLURM_NODEID={node} is outside the {cross_size} nodes of the step")
+    if tasks and node is None:
+        raise TopologyError("SLURM step announces its node layout but not SLURM_NODEID")
     _check(rank, size, local_rank, local_size, "SLURM step")
     hostname = env.get("SLURMD_NODENAME") or host
     return Topology(
@@ -191,8 +207,8 @@ def _pmi(env: Mapping[str, str], host: str) -> Topology:
 
 
 def _torchrun(env: Mapping[str, str]) -> None:
-    size = _int(env, "WORLD_SIZE") or 1
-    if size > 1:
+    size = _int(env, "WORLD_SIZE")
+    if size is not None and size > 1:
         raise UnsupportedLauncherError(
             f"torchrun started {size} processes, but it cannot wire MPI between them. Start the "
             "script with `hpc-horovod run -np N python train.py` on one machine, or "
@@ -206,6 +222,8 @@ def detect(env: Mapping[str, str] | None = None, hostname: str | None = None) ->
     host = hostname or socket.gethostname()
     if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
         return _explicit(env, host)
+    if "TORCHELASTIC_RUN_ID" in env:
+        _torchrun(env)
     if "OMPI_COMM_WORLD_SIZE" in env:
         return _openmpi(env, host)
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
@@ -214,6 +232,4 @@ def detect(env: Mapping[str, str] | None = None, hostname: str | None = None) ->
         return _pmi(env, host)
     if "SLURM_JOB_ID" in env:
         _slurm_outside_step(env)
-    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "WORLD_SIZE" in env):
-        _torchrun(env)
     return Topology(0, 1, 0, 1, 0, 1, host, SINGLE)

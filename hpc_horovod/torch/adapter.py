@@ -1,0 +1,78 @@
+"""Torch tensors <-> the engine's numpy arrays, without copies where memory allows.
+
+A contiguous CPU tensor and its numpy view share memory, so the engine reads inputs and writes
+in-place results straight into the tensor. bfloat16 has no numpy dtype of its own: the bits are
+viewed as int16 in torch and as ``ml_dtypes.bfloat16`` in numpy. CUDA tensors are staged through
+host memory by :func:`to_host`, the one place a device backend will plug in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..common.types import bfloat16
+
+#: torch dtypes the engine reduces, gathers and broadcasts
+SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+def check_tensor(tensor, op_name: str) -> None:
+    """Raise TypeError for a non-tensor and ValueError for a dtype the engine cannot handle."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op_name} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _SUPPORTED:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"Tensor type {tensor.dtype} is not supported by {op_name}; supported: "
+                         f"{names}. Convert it first, e.g. tensor.to(torch.float32).")
+    if tensor.is_sparse:
+        raise ValueError(f"{op_name} needs a dense tensor; for sparse gradients use "
+                         "sparse_allreduce_async (or tensor.to_dense())")
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor the engine works on: ``tensor`` itself on the host, a host copy of a CUDA
+    tensor (staged until a GPU backend reduces device memory directly)."""
+    if tensor.device.type == "cpu":
+        return tensor.detach()
+    return tensor.detach().to("cpu")
+
+
+def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> np.ndarray:
+    """A numpy array over ``tensor``'s memory (or over a contiguous host copy of it).
+
+    ``inplace``: the engine will write the result into the array, so the tensor must be
+    contiguous (a copy would silently drop the result).
+    """
+    check_tensor(tensor, op_name)
+    if inplace and not tensor.is_contiguous():
+        raise ValueError(f"Tensor is required to be contiguous for the in-place {op_name}: call "
+                         f"it on tensor.contiguous() and copy back, or use the out-of-place "
+                         f"{op_name.rstrip('_')}")
+    host = to_host(tensor)
+    if not host.is_contiguous():
+        host = host.contiguous()
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy().view(bfloat16)
+    return host.numpy()
+
+
+def to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` holding ``array`` (zero copy on the CPU)."""
+    if array.dtype == bfloat16:
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def write_back(array: np.ndarray, target: torch.Tensor) -> torch.Tensor:
+    """Make ``target`` hold the in-place result ``array``; a no-op when the engine already wrote
+    into ``target``'s own memory."""
+    if target.device.type == "cpu" and array.ctypes.data == target.data_ptr():
+        return target
+    with torch.no_grad():
+        target.copy_(to_torch(array, torch.device("cpu")).view(target.shape))
+    return target

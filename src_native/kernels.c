@@ -1,0 +1,166 @@
+/* Scalar and AVX2+F16C implementations of the 16-bit float kernels (see kernels.h). */
+#include "kernels.h"
+
+#include <string.h>
+
+#include "half.h"
+
+/* ---- scalar reference ------------------------------------------------------------------------ */
+
+static void sum_f16_scalar(const uint16_t *in, uint16_t *inout, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        inout[i] = hh_f32_to_f16(hh_f16_to_f32(in[i]) + hh_f16_to_f32(inout[i]));
+}
+
+static void sum_bf16_scalar(const uint16_t *in, uint16_t *inout, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        inout[i] = hh_f32_to_bf16(hh_bf16_to_f32(in[i]) + hh_bf16_to_f32(inout[i]));
+}
+
+static void f16_to_f32_scalar(const uint16_t *src, float *dst, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = hh_f16_to_f32(src[i]);
+}
+
+static void bf16_to_f32_scalar(const uint16_t *src, float *dst, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = hh_bf16_to_f32(src[i]);
+}
+
+static void f32_to_f16_scalar(const float *src, uint16_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = hh_f32_to_f16(src[i]);
+}
+
+static void f32_to_bf16_scalar(const float *src, uint16_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = hh_f32_to_bf16(src[i]);
+}
+
+static const hh_kernels scalar_kernels = {
+    "scalar",           sum_f16_scalar,     sum_bf16_scalar,   f16_to_f32_scalar,
+    bf16_to_f32_scalar, f32_to_f16_scalar, f32_to_bf16_scalar,
+};
+
+/* ---- AVX2 + F16C ----------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HH_HAVE_AVX2 1
+#include <immintrin.h>
+
+#define HH_AVX2 __attribute__((target("avx2,f16c")))
+
+HH_AVX2 static inline __m256 load_f16x8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+HH_AVX2 static inline void store_f16x8(uint16_t *p, __m256 v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+HH_AVX2 static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* Round eight floats to bfloat16 (nearest even; nan kept quiet), as hh_f32_to_bf16 does. */
+HH_AVX2 static inline void store_bf16x8(uint16_t *p, __m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x400000));
+    __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i high = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
+    /* pack 8 x u32 (each <= 0xffff) into 8 x u16: packus works per 128-bit lane, so pack the two
+     * lanes against each other */
+    __m128i lo = _mm256_castsi256_si128(high);
+    __m128i hi = _mm256_extracti128_si256(high, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+HH_AVX2 static void sum_f16_avx2(const uint16_t *in, uint16_t *inout, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_add_ps(load_f16x8(in + i), load_f16x8(inout + i));
+        __m256 a1 = _mm256_add_ps(load_f16x8(in + i + 8), load_f16x8(inout + i + 8));
+        store_f16x8(inout + i, a0);
+        store_f16x8(inout + i + 8, a1);
+    }
+    for (; i + 8 <= n; i += 8)
+        store_f16x8(inout + i, _mm256_add_ps(load_f16x8(in + i), load_f16x8(inout + i)));
+    sum_f16_scalar(in + i, inout + i, n - i);
+}
+
+HH_AVX2 static void sum_bf16_avx2(const uint16_t *in, uint16_t *inout, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        store_bf16x8(inout + i, _mm256_add_ps(load_bf16x8(in + i), load_bf16x8(inout + i)));
+    sum_bf16_scalar(in + i, inout + i, n - i);
+}
+
+HH_AVX2 static void f16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, load_f16x8(src + i));
+    f16_to_f32_scalar(src + i, dst + i, n - i);
+}
+
+HH_AVX2 static void bf16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+    bf16_to_f32_scalar(src + i, dst + i, n - i);
+}
+
+HH_AVX2 static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        store_f16x8(dst + i, _mm256_loadu_ps(src + i));
+    f32_to_f16_scalar(src + i, dst + i, n - i);
+}
+
+HH_AVX2 static void f32_to_bf16_avx2(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        store_bf16x8(dst + i, _mm256_loadu_ps(src + i));
+    f32_to_bf16_scalar(src + i, dst + i, n - i);
+}
+
+static const hh_kernels avx2_kernels = {
+    "avx2+f16c",      sum_f16_avx2,    sum_bf16_avx2,    f16_to_f32_avx2,
+    bf16_to_f32_avx2, f32_to_f16_avx2, f32_to_bf16_avx2,
+};
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+/* ---- selection ------------------------------------------------------------------------------- */
+
+const hh_kernels *hh_active = &scalar_kernels;
+static const hh_kernels *available[3] = {&scalar_kernels, NULL, NULL};
+
+void hh_kernels_init(void) {
+#ifdef HH_HAVE_AVX2
+    if (cpu_has_avx2())
+        available[1] = &avx2_kernels;
+#endif
+    for (int i = 0; available[i] != NULL; i++)
+        hh_active = available[i];
+}
+
+const hh_kernels *const *hh_kernels_available(void) {
+    return available;
+}
+
+int hh_kernels_use(const char *name) {
+    for (int i = 0; available[i] != NULL; i++) {
+        if (strcmp(available[i]->name, name) == 0) {
+            hh_active = available[i];
+            return 0;
+        }
+    }
+    return -1;
+}

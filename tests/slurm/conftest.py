@@ -1,0 +1,247 @@
+"""A real SLURM for the tests: munged + slurmctld + two slurmd ("nodes" n1 and n2) on loopback.
+
+Nothing is installed and nothing global is touched: the cluster lives in a temporary directory
+with its own ``slurm.conf`` (clients find it through ``SLURM_CONF``), its own munge key and socket
+(``AuthInfo=socket=...``), non-default ports picked free at start, and pid files through which only
+the daemons started here are stopped. Both nodes run on this host: they share its hostname, so a
+TaskProlog makes Open MPI use TCP between ranks (its shared-memory transport keys on the hostname).
+Each node advertises two fake GPUs: regular files standing in for ``/dev/nvidia*`` (there is no
+GPU here; the nodes are character devices with /dev/null's numbers), so that SLURM's own ``--gres=gpu`` bookkeeping and ``CUDA_VISIBLE_DEVICES`` are real.
+
+The fixture skips the tests, with the reason, only when the SLURM or munge binaries are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NODES = ("n1", "n2")
+CPUS_PER_NODE = 4
+GPUS_PER_NODE = 2
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin")
+
+
+@dataclass
+class SlurmCluster:
+    """A running test cluster. ``env()`` is the environment every client call must use."""
+
+    root: Path
+    conf: Path
+    pids: dict[str, Path] = field(default_factory=dict)
+
+    def env(self, extra: dict | None = None) -> dict:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "SRUN_", "SBATCH_", "OMPI_COMM_WORLD", "PMI_",
+                                    "PMIX_", "HOROVOD_"))}
+        env.update({
+            "SLURM_CONF": str(self.conf),
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMPI_MCA_mpi_yield_when_idle": "1",
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        })
+        env.update(extra or {})
+        return env
+
+    def run(self, args: list[str], timeout: float = 60, check: bool = False,
+            env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """Run a SLURM client (or any command) against this cluster, bounded in time."""
+        try:
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                                  env=self.env(env), cwd=cwd or self.root)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{args} did not finish in {timeout} s\n{exc.stdout}\n{exc.stderr}\n"
+                        f"{self.logs()}")
+        if check and proc.returncode != 0:
+            pytest.fail(f"{args} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout}\n"
+                        f"--- stderr ---\n{proc.stderr}")
+        return proc
+
+    def job_state(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, RestartCnt, ExitCode, ...)."""
+        out = self.run(["scontrol", "-o", "show", "job", job_id], check=True).stdout
+        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def wait_job(self, job_id: str, timeout: float, until=("COMPLETED", "FAILED", "CANCELLED",
+                                                             "TIMEOUT", "NODE_FAIL")) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.job_state(job_id)
+            if state.get("JobState") in until:
+                return state
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {job_id} still {state.get('JobState')} after {timeout} s: "
+                            f"{state}\n{self.logs()}")
+            time.sleep(0.3)
+
+    def logs(self) -> str:
+        parts = []
+        for log in sorted(self.root.glob("log/*.log")):
+            parts.append(f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Stop the daemons started here (by pid file), slurmd first, munged last."""
+        for name in sorted(self.pids, key=lambda n: ("slurmd" not in n, n == "munged")):
+            try:
+                pid = int(self.pids[name].read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            for _ in range(100):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            else:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _write_config(root: Path, host: str) -> Path:
+    for sub in ("state", "log", "run", "dev", *(f"spool/{n}" for n in NODES),
+                *(f"tmp/{n}" for n in NODES)):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for i in range(GPUS_PER_NODE):
+        # SLURM only accepts device nodes: give each fake GPU /dev/null's numbers.
+        os.mknod(root / "dev" / f"nvidia{i}", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    prolog = root / "task_prolog.sh"
+    prolog.write_text(textwrap.dedent("""\
+        #!/bin/sh
+        # Both fake nodes share one hostname: keep Open MPI off its shared-memory transport.
+        echo "export OMPI_MCA_btl=self,tcp"
+        """))
+    prolog.chmod(0o755)
+    ctld_port = _free_port()
+    node_lines = "\n".join(
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+        f"CPUs={CPUS_PER_NODE} RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+        for n in NODES)
+    conf = root / "slurm.conf"
+    conf.write_text(textwrap.dedent(f"""\
+        ClusterName=hvdtest
+        SlurmctldHost={host}(127.0.0.1)
+        SlurmctldPort={ctld_port}
+        SlurmUser=root
+        AuthType=auth/munge
+        CredType=cred/munge
+        AuthInfo=socket={root}/munge/munge.sock
+        MpiDefault=pmix
+        ProctrackType=proctrack/linuxproc
+        TaskPlugin=task/none
+        TaskProlog={prolog}
+        SelectType=select/cons_tres
+        SelectTypeParameters=CR_Core
+        SlurmdParameters=config_overrides
+        EnforcePartLimits=ALL
+        GresTypes=gpu
+        ReturnToService=2
+        KillWait=5
+        MinJobAge=600
+        StateSaveLocation={root}/state
+        SlurmdSpoolDir={root}/spool/%n
+        SlurmctldPidFile={root}/run/slurmctld.pid
+        SlurmdPidFile={root}/run/slurmd-%n.pid
+        SlurmctldLogFile={root}/log/slurmctld.log
+        SlurmdLogFile={root}/log/slurmd-%n.log
+        TmpFS={root}/tmp/%n
+        SchedulerParameters=sched_interval=1
+        {node_lines}
+        PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+        """))
+    (root / "gres.conf").write_text(
+        f"Name=gpu File={root}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
+    return conf
+
+
+def _start(cmd: list[str], env: dict, what: str, root: Path) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not start {what}: {proc.stdout}{proc.stderr}\n"
+                           + SlurmCluster(root, root / "slurm.conf").logs())
+
+
+def start_cluster() -> SlurmCluster:
+    """Start munged, slurmctld and one slurmd per node; return once every node is idle."""
+    root = Path(tempfile.mkdtemp(prefix="hvd-slurm-"))
+    root.chmod(0o755)
+    host = socket.gethostname()
+    conf = _write_config(root, host)
+    cluster = SlurmCluster(root, conf)
+    munge_dir = root / "munge"
+    munge_dir.mkdir(mode=0o755)
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    env = cluster.env()
+    try:
+        cluster.pids["munged"] = munge_dir / "munged.pid"
+        _start(["munged", f"--socket={munge_dir}/munge.sock", f"--key-file={key}",
+                f"--pid-file={munge_dir}/munged.pid", f"--log-file={root}/log/munged.log",
+                f"--seed-file={munge_dir}/munged.seed"], env, "munged", root)
+        cluster.pids["slurmctld"] = root / "run" / "slurmctld.pid"
+        _start(["slurmctld", "-f", str(conf)], env, "slurmctld", root)
+        for node in NODES:
+            cluster.pids[f"slurmd-{node}"] = root / "run" / f"slurmd-{node}.pid"
+            _start(["slurmd", "-f", str(conf), "-N", node], env, f"slurmd {node}", root)
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                                 text=True, env=env, timeout=30).stdout.split()
+            states = dict(zip(out[::2], out[1::2], strict=False))
+            if all(states.get(n) == "idle" for n in NODES):
+                return cluster
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SLURM nodes not idle after 30 s: {states}\n{cluster.logs()}")
+            time.sleep(0.2)
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    missing = [name for name in DAEMONS + CLIENTS if _binary(name) is None]
+    if missing:
+        pytest.skip(f"SLURM/munge binaries not installed: {', '.join(missing)} "
+                    "(`make sysdeps` installs slurmctld slurmd slurm-client munge)")
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)

@@ -40,6 +40,7 @@ def mpi_library() -> str | None:
 
 def report() -> str:
     from .common.basics import nccl_built
+    from .common.gpu import nccl_version_tuple
 
     try:
         from . import _native  # noqa: F401
@@ -56,7 +57,7 @@ def report() -> str:
     def box(ok) -> str:
         return "[X]" if ok else "[ ]"
 
-    nccl_text = f"NCCL ({nccl // 10000}.{nccl // 100 % 100}.{nccl % 100})" if nccl else "NCCL"
+    nccl_text = "NCCL (%d.%d.%d)" % nccl_version_tuple(nccl) if nccl else "NCCL"
     lines = [
         f"hpc_horovod v{__version__}:",
         "",

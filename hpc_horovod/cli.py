@@ -18,6 +18,8 @@ COMMAND_MODULES = (
     "hpc_horovod.check_build",  # check-build
     "hpc_horovod.timeline_plot",  # timeline
     "hpc_horovod.modules.cli",  # module
+    "hpc_horovod.notebooks_cli",  # notebooks
+    "hpc_horovod.slurm.cli",  # sbatch, doctor
 )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common.errors import HorovodInternalError
-from ..common.types import Max, Min, Product, Sum
+from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 
 _OPS = {Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 _BOOL_OPS = {Min: MPI.LAND, Max: MPI.LOR}
@@ -31,6 +31,27 @@ def _tight_sleeps() -> None:
 
 def _bytes(a: np.ndarray):
     return a.reshape(-1).view(np.uint8)
+
+
+_HALF_SUMS: dict[np.dtype, MPI.Op] = {}
+
+
+def _half_sum(dtype: np.dtype, op: int) -> MPI.Op:
+    """The native float16/bfloat16 sum (src_native/). The engine sends 16-bit floats only for
+    sums, and only when ``_native.has_half_sum()``; Min/Max/Product travel as float32."""
+    if op != Sum:
+        raise ValueError(f"MPI has no {dtype} {OP_NAMES.get(op, op)}: reduce it in float32")
+    mpi_op = _HALF_SUMS.get(dtype)
+    if mpi_op is None:
+        from .. import _native
+
+        mpi_op = _HALF_SUMS[dtype] = MPI.Op.fromhandle(_native.half_sum_op(dtype.name))
+    return mpi_op
+
+
+def _halves(a: np.ndarray) -> list:
+    """A 16-bit float buffer as MPI sees it: 2-byte integers the native op reads as floats."""
+    return [a.reshape(-1).view(np.uint16), MPI.UINT16_T]
 
 
 class MpiBackend:
@@ -82,6 +103,9 @@ class MpiBackend:
 
     # -- data ------------------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: int) -> None:
+        if buf.dtype in HALF_DTYPES:
+            self.comm.Allreduce(MPI.IN_PLACE, _halves(buf), op=_half_sum(buf.dtype, op))
+            return
         mpi_op = _BOOL_OPS[op] if buf.dtype == np.bool_ else _OPS[op]
         self.comm.Allreduce(MPI.IN_PLACE, buf.reshape(-1), op=mpi_op)
 
@@ -103,6 +127,10 @@ class MpiBackend:
         self.comm.Alltoallv([_bytes(send), sc, sd, MPI.BYTE], [_bytes(recv), rc, rd, MPI.BYTE])
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts, op: int) -> None:
+        if send.dtype in HALF_DTYPES:
+            self.comm.Reduce_scatter(_halves(send), _halves(recv), list(counts),
+                                     op=_half_sum(send.dtype, op))
+            return
         mpi_op = _BOOL_OPS[op] if send.dtype == np.bool_ else _OPS[op]
         self.comm.Reduce_scatter(send.reshape(-1), recv.reshape(-1), list(counts), op=mpi_op)
 

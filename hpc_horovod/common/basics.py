@@ -49,6 +49,18 @@ class ProcessSet:
     def included(self) -> bool:
         return rank() in self._engine_ranks()
 
+    def rank_of(self, global_rank: int) -> int:
+        """The rank inside this set of the process whose global rank is ``global_rank``.
+
+        Root ranks are global in Horovod's API (``broadcast(t, root_rank=3, process_set=ps)``);
+        the set's communicator numbers its members from 0.
+        """
+        ranks = self._engine_ranks()
+        if global_rank not in ranks:
+            raise ValueError(f"root rank {global_rank} is not a member of {self} (ranks "
+                             f"{ranks}); root ranks are global ranks")
+        return ranks.index(global_rank)
+
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 

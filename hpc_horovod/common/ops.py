@@ -143,14 +143,12 @@ def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_s
 
 def broadcast_request(array: np.ndarray, root_rank: int, *, name=None,
                       process_set=global_process_set, output=None) -> Request:
+    """``root_rank`` is a global rank, as in Horovod; it must belong to ``process_set``."""
     check_dtype(array.dtype, "broadcast")
     ps_id = _ps_id(process_set)
-    n = process_set.size()
-    if not 0 <= root_rank < n:
-        raise ValueError(f"broadcast root_rank {root_rank} is not a rank of a process set of "
-                         f"size {n}")
+    root = process_set.rank_of(root_rank)
     return Request("broadcast", _name(name, ps_id, "broadcast"), array, output=output,
-                   root=root_rank, process_set_id=ps_id)
+                   root=root, process_set_id=ps_id)
 
 
 def broadcast_async(tensor, root_rank: int, name=None, process_set=global_process_set) -> int:
@@ -281,10 +279,10 @@ def synchronize(handle: int):
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
-    """Broadcast any picklable object (cloudpickle) from ``root_rank``."""
+    """Broadcast any picklable object (cloudpickle) from ``root_rank`` (a global rank)."""
     ps = process_set
     name = name or basics.next_name(_ps_id(ps), "broadcast_object")
-    if ps.rank() == root_rank:
+    if basics.rank() == root_rank:
         payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
         length = np.array([payload.size], dtype=np.int64)
     else:

@@ -44,7 +44,7 @@ def check_dtype(dtype: np.dtype, kind: str, op: int | None = None) -> None:
         if dtype == np.bool_ and op not in (Min, Max):
             raise ValueError(f"{kind} of bool tensors supports only op=Min (logical and) and "
                              f"op=Max (logical or), not {OP_NAMES[op]}")
-        if op == Adasum and dtype.kind != "f":
+        if op == Adasum and dtype.kind != "f" and dtype != bfloat16:
             raise ValueError(f"Adasum needs floating point tensors, not {dtype}")
 
 
@@ -63,37 +63,50 @@ class Signature(NamedTuple):
     postscale: float
 
 
-ARTICLE = {"allreduce": "an", "allgather": "an", "alltoall": "an"}
+def request_type(sig: Signature) -> str:
+    """Horovod's name for the kind of request (an Adasum allreduce is its own type there)."""
+    if sig.kind == "allreduce" and sig.op == Adasum:
+        return "ADASUM"
+    return sig.kind.upper()
 
 
 def mismatch_message(a: Signature, b: Signature) -> str | None:
-    """Horovod's error text for two disagreeing signatures, or None when they agree."""
-    if a.kind != b.kind:
-        return (f"Mismatched operations: One rank did {ARTICLE.get(a.kind, 'a')} {a.kind}, "
-                f"but another rank did {ARTICLE.get(b.kind, 'a')} {b.kind}.")
+    """Horovod's error text for two disagreeing signatures, or None when they agree.
+
+    The checks run in Horovod's order (data type, operation, shape, scale factors, reduction op,
+    root rank) so the first disagreement is reported as Horovod would. Reduction ops are named
+    (Horovod prints the enum's number).
+    """
     if a.dtype != b.dtype:
         return (f"Mismatched data types: One rank had type {a.dtype}, but another rank had "
                 f"type {b.dtype}.")
+    kind_a, kind_b = request_type(a), request_type(b)
+    if kind_a != kind_b:
+        return (f"Mismatched operations: One rank did an {kind_a}, but another rank did an "
+                f"{kind_b}.")
     if a.shape != b.shape:
         if len(a.shape) != len(b.shape):
-            return (f"Mismatched {a.kind} tensor shapes: One rank sent a tensor of rank "
+            return (f"Mismatched {kind_a} tensor shapes: One rank sent a tensor of rank "
                     f"{len(a.shape)}, but another rank sent a tensor of rank {len(b.shape)}.")
-        return (f"Mismatched {a.kind} tensor shapes: One rank sent a tensor of shape "
+        if a.shape[0] < 0:  # the first dimension may differ: name the one that does not
+            dim = next(d for d in range(1, len(a.shape)) if a.shape[d] != b.shape[d])
+            return (f"Mismatched {kind_a} tensor shapes: One rank sent a tensor with dimension "
+                    f"{dim} equal to {a.shape[dim]}, but another rank sent a tensor with "
+                    f"dimension {dim} equal to {b.shape[dim]}.")
+        return (f"Mismatched {kind_a} tensor shapes: One rank sent a tensor of shape "
                 f"{_shape(a.shape)}, but another rank sent a tensor of shape {_shape(b.shape)}.")
+    if (a.prescale, a.postscale) != (b.prescale, b.postscale):
+        return (f"Mismatched prescale and/or postscale factors: One rank sent factors "
+                f"({a.prescale:g}, {a.postscale:g}), but another rank sent factors "
+                f"({b.prescale:g}, {b.postscale:g}).")
     if a.op != b.op:
-        return (f"Mismatched reduction operations: One rank specified {OP_NAMES[a.op]}, but "
-                f"another rank specified {OP_NAMES[b.op]}.")
+        return (f"Mismatched reduction operation: One rank sent reduction op {OP_NAMES[a.op]}, "
+                f"but another rank sent reduction op {OP_NAMES[b.op]}.")
     if a.root != b.root:
-        return (f"Mismatched {a.kind} root ranks: One rank specified root rank {a.root}, but "
+        return (f"Mismatched {kind_a} root ranks: One rank specified root rank {a.root}, but "
                 f"another rank specified root rank {b.root}.")
-    if a.prescale != b.prescale:
-        return (f"Mismatched prescale factors: One rank sent factor {a.prescale}, but another "
-                f"rank sent factor {b.prescale}.")
-    if a.postscale != b.postscale:
-        return (f"Mismatched postscale factors: One rank sent factor {a.postscale}, but "
-                f"another rank sent factor {b.postscale}.")
     return None
 
 
 def _shape(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join("*" if d < 0 else str(d) for d in shape) + "]"
+    return "[" + ", ".join(str(d) for d in shape) + "]"

@@ -205,7 +205,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
         all_values = to_torch(results[1], device)
         if op == Average:
             all_values = all_values / process_set.size()
-        return torch.sparse_coo_tensor(all_indices.t(), all_values, shape)
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
+                                       check_invariants=False)
 
     return _register(ops.submit(reqs), finish)
 
@@ -326,7 +327,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if ctx.process_set.rank() != ctx.root_rank:
+        if basics.rank() != ctx.root_rank:  # root ranks are global ranks
             grad = torch.zeros_like(grad)
         return grad, None, None, None
 

@@ -86,7 +86,7 @@ def ompi_env(rank: int, size: int, local_rank: int, local_size: int, **extra) ->
     return env
 
 
-# -- single process ------------------------------------------------------------------------------
+# -- single process -------------------------------------------------------------------------------
 def test_no_launcher_is_a_single_process():
     topo = detect({"HOME": "/root", "PATH": "/usr/bin"}, hostname=HOST)
     assert topo == Topology(0, 1, 0, 1, 0, 1, HOST, "single")
@@ -112,7 +112,7 @@ def test_one_task_salloc_shell_is_a_single_process():
     assert detect(job_env(1), hostname=HOST).launcher == "single"
 
 
-# -- SLURM steps -----------------------------------------------------------------------------------
+# -- SLURM steps ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("nodelist,tasks_per_node,expected_local", [
     ("jean-zay-iam01", "4", [4]),
     ("jean-zay-iam[01-02]", "3,1", [3, 1]),
@@ -184,7 +184,7 @@ def test_heterogeneous_job_is_refused_with_the_fix():
     assert "srun python" in message and "--ntasks-per-node" in message
 
 
-# -- SLURM outside a step ------------------------------------------------------------------------
+# -- SLURM outside a step -------------------------------------------------------------------------
 def test_batch_script_without_srun_is_refused_naming_srun():
     # the batch step: SLURM_PROCID=0 and SLURM_NTASKS=4 but no SLURM_STEP_ID
     env = job_env(4, "jean-zay-iam01", "4", SLURM_PROCID="0", SLURM_LOCALID="0",
@@ -212,7 +212,7 @@ def test_batch_and_salloc_errors_are_topology_errors():
     assert issubclass(UnsupportedLauncherError, TopologyError)
 
 
-# -- MPI launchers ---------------------------------------------------------------------------------
+# -- MPI launchers --------------------------------------------------------------------------------
 def test_openmpi_mpirun():
     topo = detect(ompi_env(2, 4, 0, 2), hostname=HOST)
     assert (topo.launcher, topo.rank, topo.size, topo.local_rank, topo.local_size) == \
@@ -317,7 +317,7 @@ def test_world_size_exported_by_a_job_script_is_not_torchrun():
     assert detect(env, hostname=HOST).launcher == "slurm"
 
 
-# -- malformed values ------------------------------------------------------------------------------
+# -- malformed values -----------------------------------------------------------------------------
 @pytest.mark.parametrize("env,fragment", [
     (ompi_env(0, 2, 0, 2, OMPI_COMM_WORLD_RANK="zero"), "OMPI_COMM_WORLD_RANK='zero'"),
     (ompi_env(0, 2, 0, 2, OMPI_COMM_WORLD_SIZE="2.0"), "OMPI_COMM_WORLD_SIZE='2.0'"),
@@ -371,7 +371,7 @@ def test_malformed_slurm_step_values_are_topology_errors(changes, fragment):
     assert fragment in str(info.value)
 
 
-# -- properties ------------------------------------------------------------------------------------
+# -- properties -----------------------------------------------------------------------------------
 SLURM_NAMES = [
     "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
     "SLURM_NTASKS", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES",

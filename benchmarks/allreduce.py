@@ -1,0 +1,565 @@
+"""Allreduce side by side: hpc_horovod against raw mpi4py, torch.distributed (gloo) and Horovod.
+
+    hpc-horovod run -np 2 python benchmarks/allreduce.py [--max-bytes 256M] [--dtypes float32]
+
+Measured on every rank, in the same processes:
+
+* one buffer of 4 KiB .. ``--max-bytes``: ``hvd.allreduce`` (numpy), ``hvd.allreduce_``
+  (in place), ``hpc_horovod.torch.allreduce`` (CPU tensors), mpi4py ``Allreduce`` in place and
+  out of place, torch.distributed gloo ``all_reduce`` and Horovod's ``horovod.torch.allreduce``
+  (the last three when importable);
+* many small tensors: 200 x 16 KiB submitted asynchronously, then all synchronized (mpi4py: one
+  Allreduce of the same bytes, and 200 Iallreduce; gloo: 200 async ops);
+* float16 at 16 MiB: the native 16-bit MPI sum against what the package does without it
+  (widen to float32 on the wire), and against what a user of mpi4py alone would write;
+* the fusion buffer's pack and unpack of 200 x 16 KiB: numpy against ``_native.pack/unpack``.
+
+Every reduction is a Sum (MPI's op; hpc_horovod's default Average adds a scaling). Each timing
+starts after a barrier; a repetition lasts as long as its slowest rank; the median over
+repetitions (after warm-up) is reported, with bus bandwidth in the nccl-tests convention
+``busbw = bytes / time * 2 (n - 1) / n``. Results go to ``benchmarks/out/allreduce.json`` and
+``allreduce.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import hpc_horovod as hvd
+from hpc_horovod.common import fusion
+
+try:
+    from hpc_horovod import _native
+except ImportError:
+    _native = None
+
+OUT = Path(__file__).resolve().parent / "out"
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+SMALL_COUNT, SMALL_BYTES = 200, 16 * 1024
+BASELINE = "mpi4py in-place"
+
+
+def parse_bytes(text: str) -> int:
+    """'4K', '64M', '1G' (powers of 1024) or a plain number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4K, 64M, 1G)") from None
+
+
+def parse_dtypes(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {bad}; choose from {list(DTYPES)}")
+    return names
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+class Timer:
+    """Collective timing: every rank runs the same number of repetitions of ``fn``."""
+
+    def __init__(self, comm: MPI.Comm, seconds_per_point: float, min_reps: int, max_reps: int):
+        self.comm = comm
+        self.seconds = seconds_per_point
+        self.min_reps, self.max_reps = min_reps, max_reps
+
+    def _once(self, fn: Callable[[], object], setup: Callable[[], object] | None) -> float:
+        if setup is not None:
+            setup()
+        self.comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def median(self, fn: Callable[[], object], setup: Callable[[], object] | None = None,
+               warmup: int = 2) -> tuple[float, int]:
+        """(median over repetitions of the slowest rank's time, repetitions)."""
+        first = max(self._once(fn, setup) for _ in range(warmup))
+        first = self.comm.allreduce(first, op=MPI.MAX)
+        reps = int(min(self.max_reps, max(self.min_reps, self.seconds / max(first, 1e-9))))
+        local = [self._once(fn, setup) for _ in range(reps)]
+        slowest = np.max(np.array(self.comm.allgather(local)), axis=0)
+        return float(statistics.median(slowest)), reps
+
+
+# -- the contenders --------------------------------------------------------------------------------
+
+class Contenders:
+    """Allreduce implementations available in this process, each as buffer -> (fn, setup)."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+        self.skipped: dict[str, str] = {}
+        self.torch = self.hvd_torch = self.dist = self.horovod = None
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+            self.torch = torch
+        except ImportError as e:
+            self.skipped["torch"] = str(e)
+            return
+        try:
+            import hpc_horovod.torch as hvd_torch
+
+            self.hvd_torch = hvd_torch
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+            self.skipped["hvd.torch"] = f"{type(e).__name__}: {e}"
+        self._init_gloo()
+        try:
+            import horovod.torch as horovod
+
+            horovod.init()
+            self.horovod = horovod
+        except Exception as e:  # noqa: BLE001
+            self.skipped["horovod"] = f"{type(e).__name__}: {e}"
+
+    def _init_gloo(self) -> None:
+        try:
+            import torch.distributed as dist
+        except ImportError as e:
+            self.skipped["gloo"] = str(e)
+            return
+        one_host = hvd.local_size() == hvd.size()
+        port = None
+        if hvd.rank() == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        address = "127.0.0.1" if one_host else socket.gethostname()
+        address, port = self.comm.bcast((address, port), root=0)
+        os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(hvd.rank()),
+                          WORLD_SIZE=str(hvd.size()))
+        dist.init_process_group("gloo", init_method="env://")
+        self.dist = dist
+
+    def _tensor(self, x: np.ndarray):
+        return self.torch.from_numpy(x.view(np.uint16)).view(self.torch.bfloat16) \
+            if x.dtype == DTYPES["bfloat16"] else self.torch.from_numpy(x)
+
+    @staticmethod
+    def _mpi_buffer(x: np.ndarray):
+        if x.dtype in (DTYPES["float16"], DTYPES["bfloat16"]):
+            return [x.view(np.uint16), MPI.UINT16_T]
+        return x
+
+    def _mpi_sum(self, dtype: np.dtype) -> MPI.Op | None:
+        """MPI.SUM, or the native 16-bit sum (MPI has none); None when unavailable."""
+        if dtype == DTYPES["float32"]:
+            return MPI.SUM
+        if _native is None or not _native.has_half_sum():
+            return None
+        return MPI.Op.fromhandle(_native.half_sum_op(dtype.name))
+
+    def one_buffer(self, x: np.ndarray, tag: str) -> dict[str, tuple]:
+        """Allreduce of the whole of ``x`` (refilled before each in-place call)."""
+        fill = x.copy()
+
+        def refill():
+            np.copyto(x, fill)
+
+        cases = {
+            "hvd numpy": (lambda: hvd.allreduce(x, op=hvd.Sum, name=f"np.{tag}"), None),
+            "hvd numpy in-place": (lambda: hvd.allreduce_(x, op=hvd.Sum, name=f"ip.{tag}"),
+                                   refill),
+        }
+        if self.hvd_torch is not None:
+            t = self._tensor(x)
+            cases["hvd torch"] = (
+                lambda: self.hvd_torch.allreduce(t, op=hvd.Sum, name=f"t.{tag}"), None)
+        op = self._mpi_sum(x.dtype)
+        if op is not None:
+            out = np.empty_like(x)
+            send, recv = self._mpi_buffer(x), self._mpi_buffer(out)
+            cases[BASELINE] = (lambda: self.comm.Allreduce(MPI.IN_PLACE, send, op=op), refill)
+            cases["mpi4py out-of-place"] = (lambda: self.comm.Allreduce(send, recv, op=op), None)
+        if self.dist is not None:
+            t = self._tensor(x)
+            cases["gloo"] = (lambda: self.dist.all_reduce(t), refill)
+        if self.horovod is not None:
+            t = self._tensor(x)
+            cases["horovod"] = (
+                lambda: self.horovod.allreduce(t, op=self.horovod.Sum, name=f"h.{tag}"), None)
+        return cases
+
+    def small_tensors(self, xs: list[np.ndarray], tag: str) -> dict[str, tuple]:
+        """200 small allreduces submitted at once, then all waited for."""
+        names = [f"{tag}.{i}" for i in range(len(xs))]
+        fills = [x.copy() for x in xs]
+
+        def refill():
+            for x, f in zip(xs, fills):
+                np.copyto(x, f)
+
+        def ours(submit):
+            def run():
+                for h in [submit(x, name) for x, name in zip(xs, names)]:
+                    hvd.synchronize(h)
+            return run
+
+        cases = {
+            "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name="np" + n)),
+                          None),
+            "hvd numpy in-place": (
+                ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
+        }
+        if self.hvd_torch is not None:
+            ts = [self._tensor(x) for x in xs]
+
+            def torch_run():
+                handles = [self.hvd_torch.allreduce_async(t, op=hvd.Sum, name="t" + n)
+                           for t, n in zip(ts, names)]
+                for h in handles:
+                    self.hvd_torch.synchronize(h)
+            cases["hvd torch"] = (torch_run, None)
+        op = self._mpi_sum(xs[0].dtype)
+        if op is not None:
+            flat = np.concatenate(xs)
+            flat_fill = flat.copy()
+            bufs = [self._mpi_buffer(x) for x in xs]
+            cases[BASELINE + " (1 call, same bytes)"] = (
+                lambda: self.comm.Allreduce(MPI.IN_PLACE, self._mpi_buffer(flat), op=op),
+                lambda: np.copyto(flat, flat_fill))
+            cases[f"mpi4py {len(xs)} Iallreduce"] = (
+                lambda: MPI.Request.Waitall(
+                    [self.comm.Iallreduce(MPI.IN_PLACE, b, op=op) for b in bufs]), refill)
+        if self.dist is not None:
+            ts = [self._tensor(x) for x in xs]
+
+            def gloo_run():
+                for work in [self.dist.all_reduce(t, async_op=True) for t in ts]:
+                    work.wait()
+            cases[f"gloo {len(xs)} async"] = (gloo_run, refill)
+        if self.horovod is not None:
+            ts = [self._tensor(x) for x in xs]
+
+            def horovod_run():
+                handles = [self.horovod.allreduce_async(t, op=self.horovod.Sum, name="h" + n)
+                           for t, n in zip(ts, names)]
+                for h in handles:
+                    self.horovod.synchronize(h)
+            cases["horovod"] = (horovod_run, None)
+        return cases
+
+    def close(self) -> None:
+        if self.dist is not None:
+            self.dist.destroy_process_group()
+        if self.horovod is not None:
+            self.horovod.shutdown()
+
+
+# -- sections --------------------------------------------------------------------------------------
+
+def busbw(nbytes: int, seconds: float, size: int) -> float:
+    return nbytes / seconds * 2 * (size - 1) / size
+
+
+def run_cases(timer: Timer, cases: dict[str, tuple], nbytes: int, size: int, **labels) -> list:
+    rows = []
+    for method, (fn, setup) in cases.items():
+        try:
+            seconds, reps = timer.median(fn, setup)
+        except Exception as e:  # noqa: BLE001 - e.g. a dtype gloo cannot reduce (every rank)
+            rows.append(dict(labels, method=method, bytes=nbytes, error=f"{type(e).__name__}: "
+                             f"{e}".splitlines()[0]))
+            continue
+        rows.append(dict(labels, method=method, bytes=nbytes, time_s=seconds, reps=reps,
+                         algbw=nbytes / seconds, busbw=busbw(nbytes, seconds, size)))
+    return rows
+
+
+def sweep(timer: Timer, contenders: Contenders, dtype: np.dtype, sizes: list[int]) -> list:
+    rows = []
+    for nbytes in sizes:
+        x = np.ones(nbytes // dtype.itemsize, dtype=dtype)
+        cases = contenders.one_buffer(x, f"{dtype.name}.{nbytes}")
+        rows += run_cases(timer, cases, nbytes, hvd.size(), dtype=dtype.name)
+        if hvd.rank() == 0:
+            print(f"  {dtype.name:>8} {human(nbytes):>9} done", file=sys.stderr, flush=True)
+    return rows
+
+
+def small(timer: Timer, contenders: Contenders, dtype: np.dtype) -> list:
+    xs = [np.ones(SMALL_BYTES // dtype.itemsize, dtype=dtype) for _ in range(SMALL_COUNT)]
+    cases = contenders.small_tensors(xs, f"small.{dtype.name}")
+    return run_cases(timer, cases, SMALL_COUNT * SMALL_BYTES, hvd.size(), dtype=dtype.name)
+
+
+def half_paths(timer: Timer, comm: MPI.Comm, nbytes: int) -> list:
+    """float16 sum of one buffer: with the native op, and the ways of doing without it."""
+    x = np.random.default_rng(hvd.rank()).standard_normal(nbytes // 2).astype(np.float16)
+    y = x.copy()  # in-place MPI calls work on y, refilled from x before each
+
+    def refill():
+        np.copyto(y, x)
+
+    cases = {}
+    if _native is not None and _native.has_half_sum():
+        native = MPI.Op.fromhandle(_native.half_sum_op("float16"))
+        cases["hvd.allreduce, native 16-bit sum"] = (
+            lambda: hvd.allreduce(x, op=hvd.Sum, name="half.native"), None)
+        cases["mpi4py + native op"] = (
+            lambda: comm.Allreduce(MPI.IN_PLACE, [y.view(np.uint16), MPI.UINT16_T], op=native),
+            refill)
+
+    def widened():
+        # the package without src_native: fusion.wire_dtype sees no _native and widens
+        saved, fusion._native = fusion._native, None
+        try:
+            return hvd.allreduce(x, op=hvd.Sum, name="half.widened")
+        finally:
+            fusion._native = saved
+
+    cases["hvd.allreduce, widened to float32 (no _native)"] = (widened, None)
+
+    def by_hand():
+        wide = x.astype(np.float32)
+        comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
+        return wide.astype(np.float16)
+
+    cases["mpi4py, astype(float32) by hand"] = (by_hand, None)
+
+    def python_sum(a, b, datatype):
+        inout = np.frombuffer(b, dtype=np.float16)
+        np.add(np.frombuffer(a, dtype=np.float16), inout, out=inout)
+
+    python_op = MPI.Op.Create(python_sum, commute=True)
+    cases["mpi4py + Python-level op"] = (
+        lambda: comm.Allreduce(MPI.IN_PLACE, [y.view(np.uint16), MPI.UINT16_T], op=python_op),
+        refill)
+    try:
+        return run_cases(timer, cases, nbytes, hvd.size(), dtype="float16")
+    finally:
+        python_op.Free()
+
+
+def _unpack_numpy(buf: np.ndarray, outputs: list[np.ndarray]) -> None:
+    offset = 0
+    for o in outputs:
+        o[...] = buf[offset:offset + o.size]
+        offset += o.size
+
+
+def pack_numpy_loop(arrays, buf, outputs, factor) -> None:
+    """One numpy call per tensor each way, as a plain fusion buffer does."""
+    compute = np.float32 if buf.dtype.itemsize < 4 else buf.dtype
+    offset = 0
+    for a in arrays:
+        np.multiply(a, factor, out=buf[offset:offset + a.size], dtype=compute, casting="unsafe")
+        offset += a.size
+    _unpack_numpy(buf, outputs)
+
+
+def pack_numpy_concatenate(arrays, buf, outputs, factor) -> None:
+    """One concatenate and one scaling pass, then one numpy call per tensor back."""
+    compute = np.float32 if buf.dtype.itemsize < 4 else buf.dtype
+    np.concatenate(arrays, out=buf, casting="unsafe")
+    np.multiply(buf, factor, out=buf, dtype=compute, casting="unsafe")
+    _unpack_numpy(buf, outputs)
+
+
+def pack_native(arrays, buf, outputs, factor) -> None:
+    _native.pack(arrays, buf, factor)
+    _native.unpack(buf, outputs)
+
+
+def pack_unpack(reps: int) -> list:
+    """Fusion buffer copies of 200 x 16 KiB, local to each rank (rank 0's numbers are kept)."""
+    rows = []
+    if _native is None:
+        return rows
+    factor = 0.5  # Average over 2 ranks, folded into the pack
+    for src, wire in (("float32", "float32"), ("float16", "float16"), ("float16", "float32"),
+                      ("bfloat16", "bfloat16")):
+        sd, wd = DTYPES[src], DTYPES[wire]
+        arrays = [np.random.default_rng(i).standard_normal(SMALL_BYTES // sd.itemsize).astype(sd)
+                  for i in range(SMALL_COUNT)]
+        outputs = [np.empty_like(a) for a in arrays]
+        buf = np.empty(sum(a.size for a in arrays), wd)
+        for method, fn in (("numpy loop", pack_numpy_loop),
+                           ("numpy concatenate", pack_numpy_concatenate),
+                           ("native pack/unpack", pack_native)):
+            for _ in range(3):
+                fn(arrays, buf, outputs, factor)
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn(arrays, buf, outputs, factor)
+                times.append(time.perf_counter() - start)
+            rows.append(dict(src=src, wire=wire, method=method,
+                             time_s=float(statistics.median(times))))
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def print_sweep(rows: list, dtype: str) -> None:
+    mine = [r for r in rows if r["dtype"] == dtype]
+    methods = list(dict.fromkeys(r["method"] for r in mine))
+    sizes = sorted({r["bytes"] for r in mine})
+    cell = {(r["bytes"], r["method"]): r for r in mine}
+    width = max(16, *(len(m) + 2 for m in methods))
+    print(f"\n{dtype}: time (x ratio to {BASELINE}) and bus bandwidth GB/s")
+    print(f"{'size':>10}" + "".join(f"{m:>{width}}" for m in methods))
+    for nbytes in sizes:
+        base = cell.get((nbytes, BASELINE))
+        line = f"{human(nbytes):>10}"
+        for m in methods:
+            r = cell[(nbytes, m)]
+            ratio = f" x{r['time_s'] / base['time_s']:.2f}" if base else ""
+            line += f"{fmt_time(r['time_s']) + ratio:>{width}}"
+        print(line)
+        print(f"{'':>10}" + "".join(f"{cell[(nbytes, m)]['busbw'] / 1e9:>{width}.3f}"
+                                     for m in methods))
+
+
+def print_rows(title: str, rows: list, baseline: str | None = None) -> None:
+    print(f"\n{title}")
+    base = next((r for r in rows if r["method"].startswith(baseline)), None) if baseline else None
+    for r in rows:
+        ratio = f"  x{r['time_s'] / base['time_s']:.2f}" if base else ""
+        bw = f"  busbw {r['busbw'] / 1e9:.3f} GB/s" if "busbw" in r else ""
+        print(f"  {r['method']:<48}{fmt_time(r['time_s']):>10}{ratio}{bw}")
+
+
+def plot(result: dict, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    dtypes = list(dict.fromkeys(r["dtype"] for r in result["sweep"]))
+    fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(6 * (len(dtypes) + 1), 4.5))
+    for ax, dtype in zip(axes, dtypes):
+        rows = [r for r in result["sweep"] if r["dtype"] == dtype]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["bytes"], r["busbw"] / 1e9) for r in rows if r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", ms=3, label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"allreduce {dtype}, {result['meta']['ranks']} ranks")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    rows = [r for r in result["small_tensors"] if r["dtype"] == dtypes[0]]
+    ax.barh([r["method"] for r in rows], [r["time_s"] * 1e3 for r in rows])
+    ax.set_xlabel("ms")
+    ax.set_title(f"{SMALL_COUNT} x {human(SMALL_BYTES)} {dtypes[0]}, async then synchronized")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10)
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
+                   help="largest buffer per rank (default 64M; the full sweep is 256M)")
+    p.add_argument("--dtypes", type=parse_dtypes, default=parse_dtypes("float32,float16"),
+                   help="comma-separated: float32, float16, bfloat16 (default float32,float16)")
+    p.add_argument("--half-bytes", type=parse_bytes, default=16 << 20,
+                   help="buffer of the native-vs-widened float16 comparison (default 16M)")
+    p.add_argument("--seconds-per-point", type=float, default=0.5)
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.min_bytes > args.max_bytes:
+        p.error(f"--min-bytes ({human(args.min_bytes)}) is above --max-bytes")
+
+    hvd.init()
+    comm = MPI.COMM_WORLD.Dup()
+    timer = Timer(comm, args.seconds_per_point, args.min_reps, args.max_reps)
+    contenders = Contenders(comm)
+    sizes = []
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        sizes.append(nbytes)
+        nbytes *= 2
+    result = {
+        "meta": {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "ranks": hvd.size(), "command": " ".join(sys.argv),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "native": None if _native is None else _native.kernels(),
+            "half_on_wire": str(fusion.wire_dtype(DTYPES["float16"], hvd.Sum)),
+            "loadavg_start": os.getloadavg(), "skipped": contenders.skipped,
+        },
+        "sweep": [], "small_tensors": [],
+    }
+    for name in args.dtypes:
+        result["sweep"] += sweep(timer, contenders, DTYPES[name], sizes)
+        result["small_tensors"] += small(timer, contenders, DTYPES[name])
+    result["half_16mib"] = half_paths(timer, comm, args.half_bytes)
+    result["pack_unpack"] = pack_unpack(reps=50)
+    result["meta"]["loadavg_end"] = os.getloadavg()
+    contenders.close()
+    hvd.shutdown()
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+
+    meta = result["meta"]
+    print(f"{meta['date']}  {meta['host']}  {meta['cpus']} cpus  {meta['ranks']} ranks  "
+          f"{meta['mpi']}  native: {meta['native']}  load {meta['loadavg_start']}")
+    for what, why in meta["skipped"].items():
+        print(f"skipped {what}: {why}")
+    for name in args.dtypes:
+        print_sweep(result["sweep"], name)
+        print_rows(f"{SMALL_COUNT} x {human(SMALL_BYTES)} {name}, submitted then synchronized",
+                   [r for r in result["small_tensors"] if r["dtype"] == name], BASELINE)
+    print_rows(f"float16 sum of {human(args.half_bytes)} (x: ratio to the native path)",
+               result["half_16mib"], "hvd.allreduce, native")
+    for src, wire in dict.fromkeys((r["src"], r["wire"]) for r in result["pack_unpack"]):
+        print_rows(f"fusion pack+unpack, {SMALL_COUNT} x {human(SMALL_BYTES)} {src} "
+                   f"(wire {wire}, scaled by 0.5), rank 0",
+                   [r for r in result["pack_unpack"] if (r["src"], r["wire"]) == (src, wire)],
+                   "numpy loop")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "allreduce.json").write_text(json.dumps(result, indent=1))
+    print(f"\nresults: {args.out / 'allreduce.json'}")
+    print(plot(result, args.out / "allreduce.png"))
+
+
+if __name__ == "__main__":
+    main()

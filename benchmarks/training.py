@@ -1,0 +1,208 @@
+"""Training throughput and scaling: hpc_horovod.torch against torch DistributedDataParallel.
+
+One run measures the same model and per-process batch with 1 and 2 processes, for
+``hpc_horovod.torch.DistributedOptimizer`` (launched with mpirun) and for torch's
+``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1), one compute thread per
+process, and prints images/s per process, in total, and the scaling efficiency
+(total with N processes / (N x one process)). Each configuration runs ``--rounds`` times,
+interleaved, and keeps its best round: the fairest number on a shared machine.
+
+    python benchmarks/training.py            # table on stdout, JSON in benchmarks/out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(__file__).resolve().parent / "out"
+
+
+# -- the workload (runs inside each worker process) -------------------------------------------------
+
+def build_model():
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+def measure(model, optimizer, batch_size: int, warmup: int, steps: int, rank: int) -> float:
+    """Images per second of this process over ``steps`` timed training steps."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randn(batch_size, 3, 32, 32, generator=g)
+    target = torch.randint(0, 10, (batch_size,), generator=g)
+
+    def step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return batch_size * steps / (time.perf_counter() - start)
+
+
+def hvd_worker(args) -> None:
+    import torch
+
+    import hpc_horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
+                                                         momentum=0.9),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    rate = measure(model, optimizer, args.batch_size, args.warmup, args.steps, hvd.rank())
+    rates = hvd.allgather(torch.tensor([rate], dtype=torch.float64)).tolist()
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(rates), flush=True)
+    hvd.shutdown()
+
+
+def ddp_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    rate = measure(model, optimizer, args.batch_size, args.warmup, args.steps, rank)
+    rates = [None] * dist.get_world_size()
+    dist.all_gather_object(rates, rate)
+    if rank == 0:
+        print("RESULT " + json.dumps(rates), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_args(args) -> list[str]:
+    return [str(Path(__file__).resolve()), "--batch-size", str(args.batch_size),
+            "--warmup", str(args.warmup), "--steps", str(args.steps)]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep +
+                env.get("PYTHONPATH", ""),
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    return env
+
+
+def _result(stdout: str, what: str) -> list[float]:
+    for line in stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise RuntimeError(f"{what} printed no result:\n{stdout}")
+
+
+def run_hvd(args, n: int) -> list[float]:
+    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
+           *_worker_args(args), "--worker", "hvd"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return _result(proc.stdout, "hpc_horovod")
+
+
+def run_ddp(args, n: int) -> list[float]:
+    env = _env()
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(n)})
+    procs = []
+    for rank in range(n):
+        procs.append(subprocess.Popen([sys.executable, *_worker_args(args), "--worker", "ddp"],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        if p.returncode:
+            raise RuntimeError(f"DDP worker failed:\n{out}\n{err}")
+    return _result(outputs[0][0], "DDP")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32, help="images per process")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=2, help="the scaled configuration")
+    parser.add_argument("--worker", choices=["hvd", "ddp"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker == "hvd":
+        return hvd_worker(args)
+    if args.worker == "ddp":
+        return ddp_worker(args)
+
+    runners = {"hpc_horovod": run_hvd, "torch DDP (gloo)": run_ddp}
+    best: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(args.rounds):
+        for name, runner in runners.items():
+            for n in (1, args.processes):
+                rates = runner(args, n)
+                key = (name, n)
+                if key not in best or sum(rates) > sum(best[key]):
+                    best[key] = rates
+                print(f"round {round_ + 1}/{args.rounds}: {name:17s} {n} process(es): "
+                      f"{sum(rates):8.1f} img/s", file=sys.stderr, flush=True)
+
+    rows = []
+    for name in runners:
+        single = sum(best[(name, 1)])
+        for n in (1, args.processes):
+            rates = best[(name, n)]
+            rows.append({"framework": name, "processes": n,
+                         "img_per_sec_per_process": sum(rates) / n,
+                         "img_per_sec_total": sum(rates),
+                         "scaling_efficiency": sum(rates) / (n * single)})
+    header = f"{'framework':18s} {'procs':>5s} {'img/s/proc':>11s} {'img/s total':>12s} " \
+             f"{'efficiency':>10s}"
+    print(f"model: small CNN, batch {args.batch_size}/process, 3x32x32 images, 1 thread per "
+          f"process, {os.cpu_count()} cores")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['framework']:18s} {row['processes']:5d} "
+              f"{row['img_per_sec_per_process']:11.1f} {row['img_per_sec_total']:12.1f} "
+              f"{row['scaling_efficiency']:10.1%}")
+    OUT.mkdir(exist_ok=True)
+    path = OUT / "training.json"
+    path.write_text(json.dumps({"batch_size": args.batch_size, "steps": args.steps,
+                                "rounds": args.rounds, "cores": os.cpu_count(),
+                                "results": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+"""NCCL backend (``cupy.cuda.nccl``): device buffers on a dedicated CUDA stream.
+
+The interface is :class:`~hpc_horovod.backends.mpi.MpiBackend`'s: negotiation and every host
+(numpy) buffer go over the MPI communicator it wraps, device (cupy) buffers go over an NCCL
+communicator of the same ranks. That communicator is created at the first device collective from
+a unique id made on rank 0 and broadcast over MPI; the engine reaches that point in the same
+order on every rank, as ncclCommInitRank requires.
+
+Ordering: all device work runs on the backend's non-blocking stream. The caller records
+:func:`ready_event` on the producer's stream when it submits a tensor, the engine makes the
+backend stream wait for it (:meth:`NcclBackend.wait_for`), and after the collective the consumer's
+stream waits for :meth:`NcclBackend.done_event` (:func:`stream_wait`): no device-wide sync.
+
+The module imports without CuPy; only :class:`NcclBackend` and the event helpers need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import platform
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ..common.errors import HorovodInternalError
+from ..common.gpu import array_module
+from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+from .mpi import MpiBackend
+
+log = logging.getLogger("hpc_horovod")
+
+NCCL_UNIQUE_ID_BYTES = 128
+_UNSIGNED_CHAR_MACHINES = ("aarch64", "arm64", "ppc64le", "ppc64", "s390x")
+
+
+# -- unique id -------------------------------------------------------------------------------------
+def serialize_unique_id(unique_id: bytes | Sequence[int]) -> bytes:
+    """The 128 bytes of an ncclUniqueId, from CuPy 14's bytes or older CuPy's tuple of C chars
+    (signed on x86, unsigned on ARM)."""
+    if isinstance(unique_id, (bytes, bytearray)):
+        data = bytes(unique_id)
+    else:
+        data = bytes(int(v) & 0xFF for v in unique_id)
+    if len(data) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(data)}")
+    return data
+
+
+def unique_id_form(cupy_version: str, machine: str) -> str:
+    """What this CuPy's NcclCommunicator takes: "bytes" (CuPy >= 14), else a tuple of C chars,
+    "signed" or "unsigned" as the platform's ``char``."""
+    if int(cupy_version.split(".")[0]) >= 14:
+        return "bytes"
+    machine = machine.lower()
+    unsigned = machine.startswith("arm") or machine in _UNSIGNED_CHAR_MACHINES
+    return "unsigned" if unsigned else "signed"
+
+
+def deserialize_unique_id(data: bytes, form: str) -> bytes | tuple[int, ...]:
+    """Turn :func:`serialize_unique_id`'s bytes into the ``form`` of :func:`unique_id_form`."""
+    data = serialize_unique_id(data)
+    if form == "bytes":
+        return data
+    if form == "unsigned":
+        return tuple(data)
+    if form == "signed":
+        return tuple(b - 256 if b > 127 else b for b in data)
+    raise ValueError(f"unknown unique id form {form!r}: use 'bytes', 'signed' or 'unsigned'")
+
+
+# -- errors ----------------------------------------------------------------------------------------
+_NETWORK_HINT = ("If ranks on different nodes cannot connect, set NCCL_SOCKET_IFNAME to the "
+                 "interface the nodes reach each other on (e.g. ib0 or eth0, see `ip addr`), "
+                 "and NCCL_IB_DISABLE=1 when InfiniBand is absent or misconfigured.")
+_HINTS = {
+    1: ("A CUDA call inside NCCL failed: most often two ranks share one GPU (give each rank its "
+        "own: hvd.local_rank() % GPUs, `srun --gpus-per-task=1` or `--ntasks-per-node` = GPUs "
+        "per node) or the GPU ran out of memory."),
+    4: "The ranks called NCCL with different arguments: a bug, please report it.",
+    5: ("The ranks called NCCL in different orders or with different sizes: a bug, please "
+        "report it."),
+}
+
+
+def nccl_error(exc: BaseException, activity: str) -> HorovodInternalError:
+    """The HorovodInternalError for an NCCL failure (``cupy.cuda.nccl.NcclError``), with the
+    usual fixes for its status."""
+    hint = _HINTS.get(getattr(exc, "status", None), _NETWORK_HINT)
+    return HorovodInternalError(f"NCCL {activity} failed: {exc}. {hint} Rerun with "
+                                "NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to see why.")
+
+
+@contextlib.contextmanager
+def _nccl_errors(nccl, activity: str):
+    try:
+        yield
+    except nccl.NcclError as exc:
+        raise nccl_error(exc, activity) from exc
+
+
+@contextlib.contextmanager
+def _group(nccl):
+    """ncclGroupStart/End: the calls inside launch together (p2p pairs cannot deadlock)."""
+    nccl.groupStart()
+    try:
+        yield
+    finally:
+        nccl.groupEnd()
+
+
+# -- pure plans ------------------------------------------------------------------------------------
+class ReductionPlan(NamedTuple):
+    nccl_type: str
+    nccl_op: str
+    #: dtype to widen to first (NCCL has no 16-bit integers), or None
+    stage: np.dtype | None
+
+
+_NCCL_TYPES = {np.dtype(k): v for k, v in (
+    (np.int8, "NCCL_INT8"), (np.uint8, "NCCL_UINT8"), (np.int32, "NCCL_INT32"),
+    (np.uint32, "NCCL_UINT32"), (np.int64, "NCCL_INT64"), (np.uint64, "NCCL_UINT64"),
+    (np.float16, "NCCL_FLOAT16"), (np.float32, "NCCL_FLOAT32"), (np.float64, "NCCL_FLOAT64"),
+    (np.bool_, "NCCL_UINT8"))}
+# Widening is exact: sums and products wrap the same way modulo 2**16 in 32 bits.
+_STAGED = {np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32)}
+_NCCL_OPS = {Sum: "NCCL_SUM", Product: "NCCL_PROD", Min: "NCCL_MIN", Max: "NCCL_MAX"}
+
+
+def reduction_plan(dtype, op: int) -> ReductionPlan:
+    """How NCCL reduces ``dtype`` with ``op``. Average arrives as Sum (the engine scales)."""
+    dtype = np.dtype(dtype)
+    if op not in _NCCL_OPS:
+        raise ValueError(f"NCCL reduces with Sum, Product, Min or Max, not "
+                         f"{OP_NAMES.get(op, op)}: the engine turns Average into Sum plus "
+                         "scaling and runs Adasum itself")
+    if dtype == np.bool_ and op not in (Min, Max):
+        raise ValueError("bool tensors reduce only with Min (logical and) or Max (logical or)")
+    if dtype in _STAGED:
+        return ReductionPlan(_NCCL_TYPES[_STAGED[dtype]], _NCCL_OPS[op], _STAGED[dtype])
+    if dtype not in _NCCL_TYPES:
+        names = ", ".join(sorted({str(d) for d in (*_NCCL_TYPES, *_STAGED)}))
+        raise TypeError(f"NCCL cannot reduce {dtype} tensors (CuPy has no bfloat16: reduce it "
+                        f"in float32); supported: {names}")
+    return ReductionPlan(_NCCL_TYPES[dtype], _NCCL_OPS[op], None)
+
+
+def offsets(counts: Sequence[int]) -> list[int]:
+    """Start of each rank's segment in a buffer of segments laid end to end."""
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += int(count)
+    return starts
+
+
+def segments(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(rank, offset, count) of every non-empty segment: one rooted NCCL call each."""
+    return [(r, off, int(c)) for r, (off, c) in enumerate(zip(offsets(counts), counts)) if c]
+
+
+def p2p_plan(send_counts: Sequence[int], recv_counts: Sequence[int]
+             ) -> list[tuple[str, int, int, int]]:
+    """("send"|"recv", peer, offset, count) for an alltoallv. Empty transfers are skipped on
+    both sides alike, since this rank's send count to j is j's receive count from it."""
+    plan = []
+    for peer, (s_off, s, r_off, r) in enumerate(zip(offsets(send_counts), send_counts,
+                                                    offsets(recv_counts), recv_counts)):
+        if s:
+            plan.append(("send", peer, s_off, int(s)))
+        if r:
+            plan.append(("recv", peer, r_off, int(r)))
+    return plan
+
+
+class FusionBuffers:
+    """One reusable buffer per dtype, grown on demand. A returned view is valid until the next
+    ``get`` for that dtype: results must be copied out of it (stream order makes that safe)."""
+
+    def __init__(self, allocate: Callable[[int, np.dtype], object]):
+        self._allocate = allocate
+        self._buffers: dict[np.dtype, object] = {}
+
+    def get(self, dtype, count: int):
+        dtype = np.dtype(dtype)
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.size < count:
+            self._buffers.pop(dtype, None)  # free the old one before allocating the larger
+            buf = self._buffers[dtype] = self._allocate(count, dtype)
+        return buf[:count]
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+# -- hierarchical allreduce ------------------------------------------------------------------------
+def node_comms(comm, node_id: int):
+    """(local, cross) mpi4py communicators: the ranks of this node, and the ranks with this
+    local rank on every node. None (after freeing them) when nodes hold different numbers of
+    ranks, where a shard per local rank cannot line up across nodes. Collective over ``comm``."""
+    local = comm.Split(color=int(node_id), key=comm.Get_rank())
+    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+    if len(set(comm.allgather(local.Get_size()))) != 1:
+        local.Free()
+        cross.Free()
+        return None
+    return local, cross
+
+
+class CrossAllreduce:
+    """Allreduce of one shard across nodes over MPI: in place on the device when MPI is
+    CUDA-aware, else through a pinned host buffer. Half floats go through float32, which MPI
+    reduces natively; the extra precision is rounded away on the way back."""
+
+    def __init__(self, cross: MpiBackend, stream=None, staged: bool = False):
+        self.cross = cross
+        self.stream = stream
+        self.staged = staged
+        self._host = FusionBuffers(self._pinned)
+
+    @staticmethod
+    def _pinned(count: int, dtype: np.dtype):
+        import cupyx
+
+        return cupyx.empty_pinned(count, dtype)
+
+    def __call__(self, shard, op: int) -> None:
+        wide = shard.astype(np.float32) if shard.dtype in HALF_DTYPES else shard
+        if self.stream is None:  # host memory
+            self.cross.allreduce(wide, op)
+        elif self.staged:
+            host = self._host.get(wide.dtype, wide.size)
+            wide.get(stream=self.stream, out=host)  # blocking: waits for the stream
+            self.cross.allreduce(host, op)
+            wide.set(host, stream=self.stream)
+        else:
+            self.stream.synchronize()  # MPI knows no streams: the shard must be final
+            self.cross.allreduce(wide, op)
+        if wide is not shard:
+            array_module(shard).copyto(shard, wide, casting="unsafe")
+
+
+class HierarchicalAllreduce:
+    """HOROVOD_HIERARCHICAL_ALLREDUCE: reduce-scatter inside the node, allreduce of each shard
+    across nodes, allgather inside the node. Only 1/local_size of the data crosses the slower
+    inter-node network, from every GPU at once.
+
+    ``local`` is a backend over the node's ranks (NCCL for device buffers; any backend with
+    ``reduce_scatter`` and ``allgatherv``), ``cross_allreduce`` reduces a shard across nodes.
+    """
+
+    def __init__(self, local, cross_allreduce: Callable[[object, int], None]):
+        self.local = local
+        self.cross_allreduce = cross_allreduce
+
+    def __call__(self, buf, op: int) -> None:
+        flat = buf.reshape(-1)
+        n = flat.size
+        if n == 0:
+            return
+        xp = array_module(flat)
+        parts = self.local.size
+        shard = -(-n // parts)
+        if shard * parts == n:
+            work = flat
+        else:  # pad so that every local rank owns an equal shard; padding is dropped after
+            work = xp.empty(shard * parts, dtype=flat.dtype)
+            work[:n] = flat
+            work[n:] = 0
+        mine = xp.empty(shard, dtype=flat.dtype)
+        self.local.reduce_scatter(work, mine, [shard] * parts, op)
+        self.cross_allreduce(mine, op)
+        self.local.allgatherv(mine, work, [shard] * parts)
+        if work is not flat:
+            flat[...] = work[:n]
+
+
+# -- stream ordering -------------------------------------------------------------------------------
+def ready_event(stream_ptr: int):
+    """Record, on the producer's stream, the point where a submitted tensor is ready. Call it
+    when submitting (torch: ``torch.cuda.current_stream().cuda_stream``)."""
+    import cupy
+
+    event = cupy.cuda.Event(disable_timing=True)
+    cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
+    return event
+
+
+def stream_wait(stream_ptr: int, event) -> None:
+    """Make the consumer's stream wait for ``event`` (no host or device-wide sync)."""
+    import cupy
+
+    cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
+
+
+def _ptr(array) -> int:
+    return array.data.ptr
+
+
+def _device_array(array) -> None:
+    if not array.flags.c_contiguous:
+        raise ValueError("NCCL collectives need C-contiguous device buffers")
+
+
+# -- the backend -----------------------------------------------------------------------------------
+class NcclBackend:
+    """A process set's communicators: MPI for negotiation and host buffers, NCCL for device
+    buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce;
+    ``cuda_aware_mpi`` lets its inter-node step hand device pointers to MPI."""
+
+    name = "nccl"
+
+    def __init__(self, mpi_comm, device: int, *, node_id: int | None = None,
+                 cuda_aware_mpi: bool = False, stream=None):
+        import cupy
+        from cupy.cuda import nccl
+
+        if not getattr(nccl, "available", False):
+            raise RuntimeError("CuPy was built without NCCL or cannot load it: "
+                               "`pip install nvidia-nccl-cu12` (or load the cluster's NCCL)")
+        self._cupy, self._nccl = cupy, nccl
+        self.mpi = MpiBackend(mpi_comm)
+        self.rank, self.size = self.mpi.rank, self.mpi.size
+        self.device = int(device)
+        self.node_id = node_id
+        self.cuda_aware_mpi = cuda_aware_mpi
+        with cupy.cuda.Device(self.device):
+            self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        self.fusion = FusionBuffers(self._allocate)
+        self._comm = None
+        self._hierarchy: HierarchicalAllreduce | None = None
+
+    # -- negotiation and host buffers: MPI ---------------------------------------------------------
+    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
+        self.mpi.negotiate(words, timeout_s)
+
+    def allgather_object(self, obj):
+        return self.mpi.allgather_object(obj)
+
+    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
+        return self.mpi.allgather_ints(values)
+
+    def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
+        return self.mpi.alltoall_ints(values)
+
+    def barrier(self) -> None:
+        self.mpi.barrier()
+
+    # -- stream and memory -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self):
+        """This backend's device and stream as current: cupy work inside (packing the fusion
+        buffer, scaling, unpacking) is ordered with the collectives."""
+        with self._cupy.cuda.Device(self.device), self.stream:
+            yield
+
+    def _allocate(self, count: int, dtype: np.dtype):
+        with self.activate():
+            return self._cupy.empty(count, dtype=dtype)
+
+    def fusion_buffer(self, dtype, count: int):
+        """A device buffer of ``count`` elements, reused for every fused group of ``dtype``."""
+        return self.fusion.get(dtype, count)
+
+    def wait_for(self, event) -> None:
+        """Order this backend's stream after ``event`` (a :func:`ready_event`)."""
+        self.stream.wait_event(event)
+
+    def done_event(self):
+        """An event the consumer's stream waits on (:func:`stream_wait`) to see the results."""
+        with self._cupy.cuda.Device(self.device):
+            event = self._cupy.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+        return event
+
+    # -- communicators -----------------------------------------------------------------------------
+    def _communicator(self):
+        if self._comm is None:
+            self._comm = self._create_communicator()
+        return self._comm
+
+    def _create_communicator(self):
+        """ncclCommInitRank over this set: rank 0 makes the id, MPI carries it (or rank 0's
+        failure, so that no rank waits for an id that never comes)."""
+        nccl = self._nccl
+        payload = None
+        if self.rank == 0:
+            try:
+                payload = ("id", serialize_unique_id(nccl.get_unique_id()))
+            except Exception as exc:  # any failure must reach the ranks waiting in bcast
+                payload = ("error", str(nccl_error(exc, "ncclGetUniqueId")))
+        kind, data = self.mpi.comm.bcast(payload, root=0)
+        if kind == "error":
+            raise HorovodInternalError(f"rank 0: {data}")
+        unique_id = deserialize_unique_id(
+            data, unique_id_form(self._cupy.__version__, platform.machine()))
+        with self._cupy.cuda.Device(self.device), _nccl_errors(nccl, "ncclCommInitRank"):
+            return nccl.NcclCommunicator(self.size, unique_id, self.rank)
+
+    def _hierarchical(self) -> HierarchicalAllreduce | None:
+        if self.node_id is None:
+            return None
+        if self._hierarchy is None:
+            comms = node_comms(self.mpi.comm, self.node_id)
+            if comms is None:
+                if self.rank == 0:
+                    log.warning("HOROVOD_HIERARCHICAL_ALLREDUCE=1 needs the same number of "
+                                "ranks on every node; using a flat NCCL allreduce instead")
+                self.node_id = None
+                return None
+            local = NcclBackend(comms[0], self.device, stream=self.stream)
+            cross = CrossAllreduce(MpiBackend(comms[1]), self.stream,
+                                   staged=not self.cuda_aware_mpi)
+            self._hierarchy = HierarchicalAllreduce(local, cross)
+        return self._hierarchy
+
+    def _const(self, name: str) -> int:
+        """An NCCL datatype or operation constant by name (``NCCL_FLOAT32``, ``NCCL_SUM``)."""
+        return getattr(self._nccl, name)
+
+    # -- device data -------------------------------------------------------------------------------
+    def allreduce(self, buf, op: int) -> None:
+        """In-place reduction of ``buf`` over the set."""
+        if isinstance(buf, np.ndarray):
+            return self.mpi.allreduce(buf, op)
+        _device_array(buf)
+        plan = reduction_plan(buf.dtype, op)
+        if buf.size == 0:
+            return None
+        with self.activate():
+            if plan.stage is not None:
+                wide = buf.astype(plan.stage)
+                self.allreduce(wide, op)
+                self._cupy.copyto(buf, wide, casting="unsafe")
+                return None
+            hierarchy = self._hierarchical()
+            if hierarchy is not None:
+                hierarchy(buf, op)
+                return None
+            comm = self._communicator()
+            with _nccl_errors(self._nccl, "allreduce"):
+                comm.allReduce(_ptr(buf), _ptr(buf), buf.size, self._const(plan.nccl_type),
+                               self._const(plan.nccl_op), self.stream.ptr)
+        return None
+
+    def allgatherv(self, send, recv, counts) -> None:
+        """Rank r's ``counts[r]`` elements, laid end to end in ``recv`` on every rank."""
+        if isinstance(send, np.ndarray):
+            return self.mpi.allgatherv(send, recv, counts)
+        _device_array(send)
+        _device_array(recv)
+        counts = [int(c) for c in counts]
+        item = send.dtype.itemsize
+        int8 = self._const("NCCL_INT8")
+        with self.activate():
+            comm = self._communicator()
+            stream = self.stream.ptr
+            with _nccl_errors(self._nccl, "allgather"):
+                if len(set(counts)) == 1:
+                    if counts[0]:
+                        comm.allGather(_ptr(send), _ptr(recv), counts[0] * item, int8, stream)
+                    return None
+                with _group(self._nccl):  # uneven: one broadcast per rank, launched together
+                    for root, off, count in segments(counts):
+                        dst = _ptr(recv) + off * item
+                        src = _ptr(send) if root == self.rank else dst
+                        comm.broadcast(src, dst, count * item, int8, root, stream)
+        return None
+
+    def bcast(self, buf, root: int) -> None:
+        """Rank ``root``'s ``buf`` on every rank, in place."""
+        if isinstance(buf, np.ndarray):
+            return self.mpi.bcast(buf, root)
+        _device_array(buf)
+        if buf.nbytes == 0:
+            return None
+        with self.activate():
+            comm = self._communicator()
+            with _nccl_errors(self._nccl, "broadcast"):
+                comm.broadcast(_ptr(buf), _ptr(buf), buf.nbytes, self._const("NCCL_INT8"),
+                               root, self.stream.ptr)
+        return None
+
+    def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
+        """Rank i sends ``send_counts[j]`` elements to rank j, grouped send/recv pairs."""
+        if isinstance(send, np.ndarray):
+            return self.mpi.alltoallv(send, send_counts, recv, recv_counts)
+        _device_array(send)
+        _device_array(recv)
+        item = send.dtype.itemsize
+        int8 = self._const("NCCL_INT8")
+        with self.activate():
+            comm = self._communicator()
+            stream = self.stream.ptr
+            with _nccl_errors(self._nccl, "alltoall"), _group(self._nccl):
+                for kind, peer, off, count in p2p_plan(send_counts, recv_counts):
+                    if kind == "send":
+                        comm.send(_ptr(send) + off * item, count * item, int8, peer, stream)
+                    else:
+                        comm.recv(_ptr(recv) + off * item, count * item, int8, peer, stream)
+        return None
+
+    def reduce_scatter(self, send, recv, counts, op: int) -> None:
+        """Reduce ``send`` over the set; this rank keeps its ``counts[rank]`` elements."""
+        if isinstance(send, np.ndarray):
+            return self.mpi.reduce_scatter(send, recv, counts, op)
+        _device_array(send)
+        _device_array(recv)
+        counts = [int(c) for c in counts]
+        plan = reduction_plan(send.dtype, op)
+        with self.activate():
+            if plan.stage is not None:
+                wide = self._cupy.empty(recv.size, dtype=plan.stage)
+                self.reduce_scatter(send.astype(plan.stage), wide, counts, op)
+                self._cupy.copyto(recv, wide, casting="unsafe")
+                return None
+            comm = self._communicator()
+            dtype, nccl_op = self._const(plan.nccl_type), self._const(plan.nccl_op)
+            item, stream = send.dtype.itemsize, self.stream.ptr
+            with _nccl_errors(self._nccl, "reducescatter"):
+                if len(set(counts)) == 1:
+                    if counts[0]:
+                        comm.reduceScatter(_ptr(send), _ptr(recv), counts[0], dtype, nccl_op,
+                                           stream)
+                    return None
+                with _group(self._nccl):  # uneven: one reduce per rank, launched together
+                    for root, off, count in segments(counts):
+                        comm.reduce(_ptr(send) + off * item, _ptr(recv), count, dtype, nccl_op,
+                                    root, stream)
+        return None
+
+    # -- health and lifetime -----------------------------------------------------------------------
+    def check_async_error(self) -> None:
+        """Raise if NCCL saw an asynchronous failure (a peer or a link lost); cheap to poll."""
+        if self._comm is not None:
+            with _nccl_errors(self._nccl, "communication"):
+                self._comm.check_async_error()
+
+    def sub(self, ranks) -> NcclBackend | None:
+        """Collective over this set: a backend for ``ranks`` (None on non-members)."""
+        mpi_sub = self.mpi.sub(ranks)
+        if mpi_sub is None:
+            return None
+        return NcclBackend(mpi_sub.comm, self.device, node_id=self.node_id,
+                           cuda_aware_mpi=self.cuda_aware_mpi)
+
+    def free_device(self) -> None:
+        """Destroy the NCCL communicators and drop the device buffers, once the stream has
+        drained; the MPI communicator stays (set 0's belongs to ``init``)."""
+        self.stream.synchronize()
+        if self._hierarchy is not None:
+            self._hierarchy.local.free()
+            self._hierarchy.cross_allreduce.cross.free()
+            self._hierarchy = None
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+        self.fusion.clear()
+
+    def free(self) -> None:
+        """Everything :meth:`free_device` frees, and the MPI communicator (as MpiBackend)."""
+        self.free_device()
+        self.mpi.free()

@@ -1,0 +1,196 @@
+"""From what a user asks (cluster, nodes, GPUs, time, ...) to a checked, resolved job plan.
+
+All validation happens here, before anything is rendered or written: an unknown partition or
+QoS, more GPUs per node than the nodes have, a time over the QoS or partition limit, an account
+billed to the wrong node type. Each error lists the valid choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from . import validate
+from .profiles import ClusterProfile, NodeClass, get_profile
+
+#: seconds before the time limit at which ``--requeue`` jobs get SIGUSR2 when none is given
+DEFAULT_SIGNAL_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything the job script says, validated; the templates only format it."""
+
+    cluster: str
+    template: str
+    job_name: str
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    time: str
+    partition: str | None
+    constraint: str | None
+    account: str | None
+    qos: str | None
+    hint_nomultithread: bool
+    output: str
+    requeue: bool
+    signal_seconds: int | None
+    modules: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    srun_mpi: str
+    command: tuple[str, ...]
+    storage: tuple[tuple[str, str], ...]
+
+    @property
+    def total_tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def _where(node: NodeClass) -> str:
+    return f"{node.kind} {node.name}" if node.name else "the default partition"
+
+
+def _check_gpus(node: NodeClass, gpus: int, tasks: int | None, profile: ClusterProfile) -> int:
+    """Tasks per node: one per GPU, or ``tasks`` on a CPU-only job."""
+    validate.positive(gpus, "--gpus-per-node", minimum=0)
+    if gpus == 0:
+        if node.gpus_per_node:
+            raise ValueError(f"{_where(node)} of cluster {profile.name} is a GPU "
+                             f"{node.kind} ({node.gpus_per_node} per node): ask "
+                             f"--gpus-per-node 1 to {node.gpus_per_node}, or pick a CPU "
+                             f"{node.kind}")
+        return validate.positive(1 if tasks is None else tasks, "--tasks-per-node")
+    if node.gpus_per_node == 0:
+        raise ValueError(f"{_where(node)} of cluster {profile.name} has no GPUs: use "
+                         "--gpus-per-node 0 --tasks-per-node N, or a GPU partition")
+    if node.gpus_per_node is not None and gpus > node.gpus_per_node:
+        bigger = [n.name for n in (*profile.partitions.values(), *profile.constraints.values())
+                  if n.gpus_per_node and n.gpus_per_node >= gpus]
+        hint = f", or a {' / '.join(bigger)} node" if bigger else ""
+        raise ValueError(f"{_where(node)} has {node.gpus_per_node} GPUs per node, "
+                         f"--gpus-per-node {gpus} asks for more: use --gpus-per-node "
+                         f"{node.gpus_per_node} and more --nodes{hint}")
+    if tasks is not None and tasks != gpus:
+        raise ValueError(f"--tasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
+                         "one task per GPU; leave --tasks-per-node out")
+    return gpus
+
+
+def _choose_qos(node: NodeClass, profile: ClusterProfile, qos: str | None, seconds: int
+                ) -> str | None:
+    """The explicit QoS, checked, or the node type's default (the next longer one if needed)."""
+    if not node.qos:
+        if qos is not None and profile.qos:
+            raise ValueError(f"{_where(node)} of cluster {profile.name} takes no --qos")
+        return None if qos is None else validate.token(qos, "--qos")
+    if qos is not None:
+        validate.token(qos, "--qos")
+        if qos not in node.qos:
+            elsewhere = [n.name for n in (*profile.partitions.values(),
+                                          *profile.constraints.values()) if qos in n.qos]
+            hint = f" ({qos} is for {', '.join(elsewhere)})" if elsewhere else ""
+            raise ValueError(f"unknown QoS {qos!r} for {_where(node)}{hint}; valid: "
+                             + ", ".join(f"{q} (max {validate.format_time(profile.qos[q].max_time)})"
+                                         for q in node.qos))
+        limit = profile.qos[qos].max_time
+        if seconds > limit:
+            longer = [q for q in node.qos if profile.qos[q].max_time >= seconds]
+            hint = f"; use --qos {longer[0]}" if longer else ""
+            raise ValueError(f"--time {validate.format_time(seconds)} is over the "
+                             f"{validate.format_time(limit)} limit of QoS {qos}{hint}")
+        return qos
+    candidates = [node.default_qos] + sorted(node.qos, key=lambda q: profile.qos[q].max_time)
+    for name in candidates:
+        if profile.qos[name].max_time >= seconds:
+            return name
+    raise ValueError(f"--time {validate.format_time(seconds)} is over every QoS of "
+                     f"{_where(node)}: " + ", ".join(
+                         f"{q} {validate.format_time(profile.qos[q].max_time)}" for q in node.qos))
+
+
+def _account(node: NodeClass, profile: ClusterProfile, account: str | None) -> str | None:
+    if account is None:
+        return None
+    account = validate.account(account)
+    suffix = node.account_suffix
+    if suffix is None:
+        return account
+    project, sep, given = account.partition("@")
+    if not sep:
+        return f"{project}@{suffix}"
+    if given != suffix:
+        raise ValueError(f"account {account} is billed to {given} hours but {_where(node)} of "
+                         f"cluster {profile.name} uses {suffix} hours: --account "
+                         f"{project}@{suffix} (or just --account {project})")
+    return account
+
+
+def plan_job(
+    command: Sequence[str],
+    *,
+    cluster: str | ClusterProfile = "generic",
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+    tasks_per_node: int | None = None,
+    cpus_per_task: int | None = None,
+    time: str | None = None,
+    account: str | None = None,
+    qos: str | None = None,
+    partition: str | None = None,
+    constraint: str | None = None,
+    job_name: str = "hpc-horovod",
+    modules: Iterable[str] | None = None,
+    env: Mapping[str, str] | Iterable[str] = (),
+    requeue: bool = False,
+    signal_seconds: int | None = None,
+    output: str = "%x-%j.out",
+    profile_env: Mapping[str, str] | None = None,
+) -> JobPlan:
+    """Check a job request against its cluster profile and resolve every default."""
+    profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
+                                                                              profile_env)
+    command = tuple(str(c) for c in command)
+    if not command:
+        raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
+    validate.positive(nodes, "--nodes")
+    node, partition, constraint = profile.select(partition, constraint)
+    tasks = _check_gpus(node, gpus_per_node, tasks_per_node, profile)
+    seconds = profile.default_time if time is None else validate.parse_time(time)
+    if node.max_time is not None and seconds > node.max_time:
+        raise ValueError(f"--time {validate.format_time(seconds)} is over the "
+                         f"{validate.format_time(node.max_time)} limit of {_where(node)}")
+    chosen_qos = _choose_qos(node, profile, qos, seconds)
+    if signal_seconds is not None:
+        validate.positive(signal_seconds, "--signal-seconds")
+        if signal_seconds >= seconds or signal_seconds > 65535:
+            raise ValueError(f"--signal-seconds {signal_seconds} must be shorter than the job's "
+                             f"{validate.format_time(seconds)} (and at most 65535)")
+    elif requeue:
+        signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
+    job_modules = profile.default_modules if modules is None else validate.modules(modules)
+    return JobPlan(
+        cluster=profile.name,
+        template=profile.template,
+        job_name=validate.token(job_name, "--job-name"),
+        nodes=nodes,
+        tasks_per_node=tasks,
+        gpus_per_node=gpus_per_node,
+        cpus_per_task=validate.positive(node.cpus_per_task if cpus_per_task is None
+                                        else cpus_per_task, "--cpus-per-task"),
+        time=validate.format_time(seconds),
+        partition=partition,
+        constraint=constraint,
+        account=_account(node, profile, account),
+        qos=chosen_qos,
+        hint_nomultithread=profile.hint_nomultithread,
+        output=validate.output_pattern(output),
+        requeue=bool(requeue),
+        signal_seconds=signal_seconds,
+        modules=node.modules + tuple(m for m in job_modules if m not in node.modules),
+        env=validate.env_vars(env),
+        srun_mpi=profile.srun_mpi,
+        command=command,
+        storage=tuple(profile.storage.items()),
+    )

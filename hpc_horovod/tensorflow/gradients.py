@@ -1,0 +1,104 @@
+"""Combining one step's gradients across ranks: what DistributedGradientTape and both
+DistributedOptimizers share.
+
+All gradients of a step go through one grouped allreduce (one graph op, one engine submission that
+the engine fuses into as few MPI calls as the fusion threshold allows), not one call per variable;
+``groups`` splits them into several such calls when asked.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from ..common.basics import ProcessSet, global_process_set
+from ..common.types import Average
+from .compression import Compression
+from .mpi_ops import grouped_allreduce
+
+
+def _split_list(items: list, n: int) -> list[list]:
+    """``n`` contiguous chunks of nearly equal length (Horovod's split_list)."""
+    base, extra = divmod(len(items), n)
+    chunks, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return [c for c in chunks if c]
+
+
+class GradientReducer:
+    """Callable ``(grads, variables) -> grads`` averaging (by default) gradients over ranks.
+
+    ``gradient_predivide_factor`` (op=Average only) splits the averaging: gradients are scaled by
+    ``1/factor`` before the sum and ``factor/size`` after it. ``groups``: an int (that many
+    grouped calls over contiguous slices of the gradients) or a list of lists of variables
+    (each list one call; variables in no list get a call each).
+    """
+
+    def __init__(self, name: str, *, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 process_set: ProcessSet = global_process_set):
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if num_groups != 0:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                          "removed in v0.23.0.", DeprecationWarning, stacklevel=3)
+            if groups is None:
+                groups = num_groups
+        if groups is not None and not (isinstance(groups, list) or
+                                       (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or a list of list of "
+                             "tf.Variable.")
+        self.name = name
+        self.device_dense = device_dense
+        self.device_sparse = device_sparse
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.prescale_factor = 1.0 / gradient_predivide_factor if op == Average else 1.0
+        self.postscale_factor = gradient_predivide_factor if op == Average else 1.0
+        self.groups = groups
+        self.process_set = process_set
+
+    def _index_groups(self, indices: list[int], variables) -> list[list[int]]:
+        if self.groups is None:
+            return [indices]
+        if isinstance(self.groups, int):
+            return _split_list(indices, self.groups)
+        if variables is None:
+            raise ValueError("groups given as lists of variables need the variables of the "
+                             "gradients")
+        position = {id(variables[i]): i for i in indices}
+        result, seen = [], set()
+        for group in self.groups:
+            members = [position[id(v)] for v in group if id(v) in position]
+            seen.update(members)
+            if members:
+                result.append(sorted(members))
+        result.extend([i] for i in indices if i not in seen)
+        return result
+
+    def __call__(self, grads, variables=None) -> list:
+        grads = list(grads)
+        variables = None if variables is None else list(variables)
+        ps = self.process_set
+        if not ps.included() or ps.size() == 1:
+            return grads
+        with tf.name_scope(self.name + "_Allreduce"):
+            if self.sparse_as_dense:
+                grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                         for g in grads]
+            present = [i for i, g in enumerate(grads) if g is not None]
+            for group in self._index_groups(present, variables):
+                reduced = grouped_allreduce(
+                    [grads[i] for i in group], device_dense=self.device_dense,
+                    device_sparse=self.device_sparse, compression=self.compression, op=self.op,
+                    prescale_factor=self.prescale_factor,
+                    postscale_factor=self.postscale_factor, process_set=ps)
+                for i, g in zip(group, reduced):
+                    grads[i] = g
+        return grads

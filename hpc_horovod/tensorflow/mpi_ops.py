@@ -1,0 +1,469 @@
+"""The collectives on TensorFlow tensors, eager and inside ``tf.function`` or tf.compat.v1 graphs.
+
+Eager: the op runs at once on host views of the tensors (``staging``). Graph: each call becomes one
+``tf.numpy_function`` (a grouped call: one for the whole list) whose body submits to the engine
+and waits; its outputs carry every static dimension that is known. Inside ``tf.function``,
+TensorFlow runs stateful ops in program order, so every rank submits a function's collectives in
+the same order.
+
+Names: an explicit ``name`` is the engine's name for the op, verbatim. Without one, an eager op
+takes the core's counter (``allreduce.noname.3``) and a graph op a name derived, when the graph is
+built, from its kind and its input's name, made unique in the graph
+(``HorovodAllreduce_dense_MatMul_0``); both are the same on every rank running the same program.
+
+Gradients follow Horovod: allreduce -> allreduce of the gradient with the same op and scale
+factors (Sum and Average only); allgather -> Average-allreduce of the gradient, then this rank's
+rows; broadcast -> Average-allreduce of the gradient on the root, zeros elsewhere; alltoall ->
+alltoall back with the received splits; reducescatter -> allgather of the gradient (times the set
+size for Sum).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from ..common import basics
+from ..common import ops as core
+from ..common.basics import ProcessSet, global_process_set
+from ..common.types import OP_NAMES, Average, Sum, check_dtype
+from . import staging
+from .compression import Compression
+
+Runner = Callable[[list, "str | None"], list]
+
+
+def _normalize_name(name: str) -> str:
+    """A tensor name as TensorFlow accepts in op names (Horovod's rule)."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
+def _check_dtype(dtype: tf.DType, kind: str, op: int | None = None) -> None:
+    try:
+        np_dtype = np.dtype(dtype.as_numpy_dtype)
+    except TypeError:
+        np_dtype = None
+    if np_dtype is None or np_dtype.kind == "O":
+        raise ValueError(f"{kind} does not support tensors of dtype {dtype.name}")
+    check_dtype(np_dtype, kind, op)
+
+
+def _check_not_xla(kind: str) -> None:
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"hpc_horovod's {kind} cannot run inside an XLA-compiled function: use "
+            "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) with Keras "
+            "(Keras turns XLA on by default when a GPU is visible)")
+
+
+def _graph_name(prefix: str, tensors: Sequence[tf.Tensor]) -> str:
+    """Horovod's automatic name: kind + input name(s), unique in the graph being built."""
+    parts = [prefix] + [_normalize_name(t.name) for t in list(tensors[:1]) + list(tensors[1:][-1:])]
+    return tf.compat.v1.get_default_graph().unique_name("_".join(parts))
+
+
+def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType],
+                out_shapes: list, prefix: str, name: str | None):
+    """Run ``run(host_arrays, name) -> host_arrays``: now (eager) or as one graph op."""
+    if tf.executing_eagerly():
+        device = inputs[0].device if inputs else ""
+        results = run([staging.to_host(t) for t in inputs], name)
+        return [staging.to_device(r, dtype, device) for r, dtype in zip(results, out_dtypes)]
+    _check_not_xla(prefix)
+    if name is None:
+        name = _graph_name(prefix, inputs)
+    outputs = tf.numpy_function(lambda *arrays: run(list(arrays), name), inputs, out_dtypes,
+                                stateful=True, name=prefix)
+    if not out_dtypes:
+        return outputs
+    for out, shape in zip(outputs, out_shapes):
+        out.set_shape(shape)
+    return outputs
+
+
+def _differentiable(op: int, kind: str) -> int:
+    if op not in (Sum, Average):
+        raise ValueError(f"{kind} with op={OP_NAMES[op]} has no gradient; only Sum and Average "
+                         "are differentiable")
+    return op
+
+
+def _gathered_shape(shape: tf.TensorShape) -> tf.TensorShape:
+    """Shape after concatenation along dim 0 of per-rank tensors whose dim 0 may differ."""
+    if shape.rank is None:
+        return tf.TensorShape(None)
+    return tf.TensorShape([None]).concatenate(shape[1:])
+
+
+# -- allreduce ------------------------------------------------------------------------------------
+
+def _allreduce_runner(op, prescale, postscale, process_set, grouped: bool) -> Runner:
+    def run(arrays, name):
+        if grouped:
+            handles = core.grouped_allreduce_async(arrays, None, name, op, prescale, postscale,
+                                                   process_set)
+        else:
+            handles = [core.allreduce_async(arrays[0], None, name, op, prescale, postscale,
+                                            process_set)]
+        return [core.synchronize(h) for h in handles]
+    return run
+
+
+def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
+               process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Differentiable allreduce of one dense tensor, without compression."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor.dtype, "allreduce", op)
+    process_set.size()
+    run = _allreduce_runner(op, prescale_factor, postscale_factor, process_set, grouped=False)
+
+    @tf.custom_gradient
+    def forward(x):
+        (y,) = _collective(run, [x], [x.dtype], [x.shape], "HorovodAllreduce", name)
+
+        def grad(dy):
+            return _allreduce(dy, op=_differentiable(op, "allreduce"),
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                              process_set=process_set)
+        return y, grad
+    return forward(tensor)
+
+
+def _grouped_allreduce(tensors: list, name=None, op=Sum, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set) -> list[tf.Tensor]:
+    """Differentiable allreduce of dense tensors in one graph op and one engine submission."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, "allreduce", op)
+    process_set.size()
+    run = _allreduce_runner(op, prescale_factor, postscale_factor, process_set, grouped=True)
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _collective(run, list(xs), [x.dtype for x in xs], [x.shape for x in xs],
+                         "HorovodGroupedAllreduce", name)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(x) if dy is None else dy for dy, x in zip(dys, xs)]
+            return _grouped_allreduce(dys, op=_differentiable(op, "allreduce"),
+                                      prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor, process_set=process_set)
+        return ys, grad
+    return list(forward(*tensors))
+
+
+def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, postscale_factor,
+                      name, process_set) -> list[tf.IndexedSlices]:
+    """tf.IndexedSlices are summed by gathering every rank's values and indices (one grouped
+    allgather for all of them); duplicate indices add up when the slices are applied."""
+    if op not in (Sum, Average):
+        raise ValueError(f"allreduce of tf.IndexedSlices supports op=Sum and op=Average (it is "
+                         f"an allgather of values and indices), not {OP_NAMES[op]}; densify the "
+                         "gradients (sparse_as_dense=True)")
+    gathered = grouped_allgather([s.values for s in slices] + [s.indices for s in slices],
+                                 name=name, process_set=process_set)
+    scale = prescale_factor * postscale_factor / (process_set.size() if op == Average else 1)
+    out = []
+    for s, values, indices in zip(slices, gathered[:len(slices)], gathered[len(slices):]):
+        if scale != 1.0:
+            values = values * tf.cast(scale, values.dtype)
+        out.append(tf.IndexedSlices(values, indices, dense_shape=s.dense_shape))
+    return out
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set: ProcessSet = global_process_set):
+    """Reduce ``tensor`` (tf.Tensor, tf.Variable or tf.IndexedSlices) over the ranks of
+    ``process_set``; default op: Average. Shapes and dtypes must match on every rank.
+
+    A tf.IndexedSlices is reduced as an allgather of its values and indices (Sum or Average).
+    ``prescale_factor``/``postscale_factor`` multiply before/after the reduction. GPU tensors go
+    through host memory for now; pin one GPU per process with
+    ``tf.config.set_visible_devices(gpus[hvd.local_rank()], 'GPU')``.
+    """
+    op = core.resolve_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        with tf.device(device_sparse):
+            return _allreduce_sparse([tensor], op, prescale_factor, postscale_factor, name,
+                                     process_set)[0]
+    with tf.device(device_dense):
+        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+        reduced = _allreduce(compressed, name, op, prescale_factor, postscale_factor, process_set)
+        return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set: ProcessSet = global_process_set,
+                      name=None) -> list:
+    """Allreduce a list of tensors as one operation (one graph op, one engine submission, fused
+    into as few MPI calls as the fusion threshold allows). tf.IndexedSlices in the list go
+    through one grouped allgather."""
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    op = core.resolve_op(op, average)
+    out: list = [None] * len(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if dense:
+        with tf.device(device_dense):
+            packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+            reduced = _grouped_allreduce([t for t, _ in packed], name, op, prescale_factor,
+                                         postscale_factor, process_set)
+            for i, r, (_, ctx) in zip(dense, reduced, packed):
+                out[i] = compression.decompress(r, ctx)
+    if sparse:
+        with tf.device(device_sparse):
+            reduced = _allreduce_sparse([tensors[i] for i in sparse], op, prescale_factor,
+                                        postscale_factor, None if name is None else
+                                        f"{name}.sparse", process_set)
+            for i, r in zip(sparse, reduced):
+                out[i] = r
+    return out
+
+
+# -- allgather ------------------------------------------------------------------------------------
+
+def _row_offsets(tensors: list[tf.Tensor], process_set: ProcessSet):
+    """(start, length) of this rank's rows in each gathered tensor: one allgather of dim 0s."""
+    dims = tf.stack([tf.shape(t, out_type=tf.int64)[0] for t in tensors])
+    counts = tf.reshape(allgather(dims, process_set=process_set), [process_set.size(), -1])
+    me = process_set.rank()
+    starts = tf.reduce_sum(counts[:me], axis=0)
+    return [(starts[j], counts[me, j]) for j in range(len(tensors))]
+
+
+def _allgather_runner(process_set, grouped: bool) -> Runner:
+    def run(arrays, name):
+        if grouped:
+            handles = core.grouped_allgather_async(arrays, name, process_set)
+        else:
+            handles = [core.allgather_async(arrays[0], name, process_set)]
+        return [core.synchronize(h) for h in handles]
+    return run
+
+
+def _allgather(tensors: list, name, process_set, grouped: bool) -> list[tf.Tensor]:
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, "allgather")
+    process_set.size()
+    run = _allgather_runner(process_set, grouped)
+    prefix = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _collective(run, list(xs), [x.dtype for x in xs],
+                         [_gathered_shape(x.shape) for x in xs], prefix, name)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
+            summed = _grouped_allreduce(dys, op=Average, process_set=process_set)
+            rows = [x if x.shape.rank else tf.reshape(x, [1]) for x in xs]
+            grads = []
+            for x, s, (start, length) in zip(xs, summed, _row_offsets(rows, process_set)):
+                mine = s[start:start + length]
+                grads.append(tf.reshape(mine, tf.shape(x)) if x.shape.rank == 0 else mine)
+            return grads
+        return ys, grad
+    return list(forward(*tensors))
+
+
+def allgather(tensor, name=None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Concatenate every rank's tensor along dim 0 (dim 0 may differ between ranks)."""
+    return _allgather([tensor], name, process_set, grouped=False)[0]
+
+
+def grouped_allgather(tensors, name=None,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Allgather a list of tensors as one operation."""
+    tensors = list(tensors)
+    return _allgather(tensors, name, process_set, grouped=True) if tensors else tensors
+
+
+# -- broadcast ------------------------------------------------------------------------------------
+
+def _broadcast_runner(root_rank, process_set) -> Runner:
+    def run(arrays, name):
+        base = name if name is not None else basics.next_name(process_set.process_set_id,
+                                                              "broadcast")
+        names = [base] if len(arrays) == 1 else [f"{base}.{i}" for i in range(len(arrays))]
+        handles = core.submit([core.broadcast_request(np.asarray(a), root_rank, name=n,
+                                                      process_set=process_set)
+                               for a, n in zip(arrays, names)])
+        return [core.synchronize(h) for h in handles]
+    return run
+
+
+def _grouped_broadcast(tensors: list, root_rank: int, name=None,
+                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Broadcast several tensors as one operation (not differentiable): what broadcasting a
+    model's variables needs."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, "broadcast")
+    process_set.rank_of(root_rank)
+    return _collective(_broadcast_runner(root_rank, process_set), tensors,
+                       [t.dtype for t in tensors], [t.shape for t in tensors],
+                       "HorovodGroupedBroadcast", name)
+
+
+def broadcast(tensor, root_rank: int, name=None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s value of ``tensor`` on every rank (``root_rank`` is a global rank)."""
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor.dtype, "broadcast")
+    process_set.rank_of(root_rank)
+    run = _broadcast_runner(root_rank, process_set)
+
+    @tf.custom_gradient
+    def forward(x):
+        (y,) = _collective(run, [x], [x.dtype], [x.shape], "HorovodBroadcast", name)
+
+        def grad(dy):
+            reduced = _allreduce(dy, op=Average, process_set=process_set)
+            return reduced if basics.rank() == root_rank else tf.zeros_like(reduced)
+        return y, grad
+    return forward(tensor)
+
+
+# -- alltoall, reducescatter ----------------------------------------------------------------------
+
+def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_process_set):
+    """Send ``splits[j]`` rows of ``tensor`` to rank j (equal blocks when ``splits`` is None) and
+    receive the rows every rank sends here, in rank order.
+
+    Returns the received tensor, and with ``splits`` given, ``(received, received_splits)`` (as in
+    Horovod).
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    _check_dtype(tensor.dtype, "alltoall")
+    n = process_set.size()
+    split_inputs = [] if splits is None else [tf.cast(tf.convert_to_tensor(splits), tf.int64)]
+
+    def run(arrays, name):
+        received, received_splits = core.alltoall(arrays[0], arrays[1] if len(arrays) > 1
+                                                  else None, name=name, process_set=process_set)
+        return [received, np.asarray(received_splits, dtype=np.int32)]
+
+    @tf.custom_gradient
+    def forward(x):
+        received, received_splits = _collective(
+            run, [x] + split_inputs, [x.dtype, tf.int32], [_gathered_shape(x.shape), [n]],
+            "HorovodAlltoall", name)
+
+        def grad(dy, _):
+            return alltoall(dy, splits=received_splits, process_set=process_set)[0]
+        return (received, received_splits), grad
+    received, received_splits = forward(tensor)
+    return received if splits is None else (received, received_splits)
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set: ProcessSet = global_process_set, prescale_factor=1.0,
+                  postscale_factor=1.0) -> tf.Tensor:
+    """Reduce over the ranks, then give rank i the i-th block of rows (the first ranks get one
+    more row when dim 0 does not divide evenly)."""
+    with tf.device(device_dense):
+        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+        _check_dtype(compressed.dtype, "reducescatter", op)
+        if compressed.shape.rank == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension")
+        n, me = process_set.size(), process_set.rank()
+        shape = compressed.shape
+        if shape.rank is not None and shape[0] is not None:
+            base, extra = divmod(shape[0], n)
+            shape = tf.TensorShape([base + (1 if me < extra else 0)]).concatenate(shape[1:])
+        elif shape.rank is not None:
+            shape = _gathered_shape(shape)
+
+        def run(arrays, name):
+            return [core.reducescatter(arrays[0], name, op, process_set, prescale_factor,
+                                       postscale_factor)]
+
+        @tf.custom_gradient
+        def forward(x):
+            (y,) = _collective(run, [x], [x.dtype], [shape], "HorovodReducescatter", name)
+
+            def grad(dy):
+                if _differentiable(op, "reducescatter") == Sum:
+                    dy = dy * tf.cast(n, dy.dtype)
+                return allgather(dy, process_set=process_set)
+            return y, grad
+        return compression.decompress(forward(compressed), ctx)
+
+
+# -- synchronization ------------------------------------------------------------------------------
+
+def barrier(process_set: ProcessSet = global_process_set):
+    """Wait until every rank of ``process_set`` reaches the barrier. Graph mode: returns the op."""
+    process_set.size()
+
+    def run(arrays, name):
+        core.barrier(process_set)
+        return []
+    result = _collective(run, [], [], [], "HorovodBarrier", "barrier")
+    return None if tf.executing_eagerly() else result
+
+
+def join() -> tf.Tensor:
+    """Declare that this rank has no more batches; until every rank has joined it contributes
+    zeros to the other ranks' allreduces. Returns the rank that joined last (int32 scalar)."""
+    basics.size()
+
+    def run(arrays, name):
+        return [np.asarray(core.join(), dtype=np.int32)]
+    return _collective(run, [], [tf.int32], [[]], "HorovodJoin", "join")[0]
+
+
+# -- graph-safe queries ---------------------------------------------------------------------------
+
+def _query(value: Callable[[], int], name: str | None, default: str) -> tf.Tensor:
+    """An int32 scalar read when the graph runs, not when it is built (Horovod's *_op)."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), dtype=tf.int32)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
+                            name=name or default)
+    out.set_shape([])
+    return out
+
+
+def _set_ranks(process_set_id: int) -> list[int]:
+    return basics.engine().process_set_ranks(process_set_id)
+
+
+def size_op(process_set_id: int = 0, name=None) -> tf.Tensor:
+    """The number of processes in the process set (the whole job by default)."""
+    return _query(lambda: len(_set_ranks(process_set_id)), name, "HorovodSize")
+
+
+def process_set_included_op(process_set_id: int = 0, name=None) -> tf.Tensor:
+    """1 when this process belongs to the process set, else 0."""
+    return _query(lambda: int(basics.rank() in _set_ranks(process_set_id)), name,
+                  "HorovodProcessSetIncluded")
+
+
+def rank_op(name=None) -> tf.Tensor:
+    return _query(basics.rank, name, "HorovodRank")
+
+
+def local_rank_op(name=None) -> tf.Tensor:
+    return _query(basics.local_rank, name, "HorovodLocalRank")
+
+
+def local_size_op(name=None) -> tf.Tensor:
+    return _query(basics.local_size, name, "HorovodLocalSize")
+
+
+def cross_rank_op(name=None) -> tf.Tensor:
+    return _query(basics.cross_rank, name, "HorovodCrossRank")
+
+
+def cross_size_op(name=None) -> tf.Tensor:
+    return _query(basics.cross_size, name, "HorovodCrossSize")

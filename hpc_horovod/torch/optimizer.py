@@ -1,0 +1,415 @@
+"""``DistributedOptimizer``: average gradients over ranks while ``backward()`` still runs.
+
+The wrapper is a subclass of the wrapped optimizer's own class (as in Horovod), so
+``isinstance`` checks, LR schedulers and ``state_dict`` keep working. A hook on each parameter
+fires as soon as its gradient is accumulated and starts an in-place ``allreduce_async_`` on
+``p.grad``; the engine reduces it while autograd computes the gradients of earlier layers.
+``step()`` waits for the handles and then runs the wrapped optimizer's update.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ..common.basics import ProcessSet, global_process_set, size
+from ..common.types import Adasum, Average
+from .compression import Compression
+from .functions import broadcast_object
+from .mpi_ops import (
+    allreduce_async_,
+    grouped_allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+_ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before "
+                   "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                   "cause a race condition.")
+
+
+def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict:
+    """Parameter -> name, with Horovod's checks and default names."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                            for i, group in enumerate(optimizer.param_groups)
+                            for j, v in enumerate(group["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named_parameters:
+        if name in seen:
+            dups.add(name)
+        seen.add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found "
+                         f"duplicates: {', '.join(sorted(dups))}")
+    all_ids = {id(v) for group in optimizer.param_groups for v in group["params"]}
+    unnamed = all_ids - {id(v) for _, v in named_parameters}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were "
+                         f"not named. Python object ids: {', '.join(str(i) for i in unnamed)}")
+    return {v: k for k, v in sorted(named_parameters, key=lambda item: item[0])}
+
+
+def _split(items: list, n: int) -> list[list]:
+    """``n`` consecutive chunks of nearly equal length."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    _base_class: type  # the wrapped optimizer's class, set by DistributedOptimizer
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
+        self._base_class.__init__(self, params)
+        self._compression = compression
+        self._parameter_names = _parameter_names(self, named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        # The engine applies 1/size for Average: prescale 1/f and postscale f split it.
+        self._scales = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
+                        if op == Average else (1.0, 1.0))
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles: dict = {}
+        self._hook_handles = []
+        self._requires_update: list[torch.Tensor] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        if groups is not None:
+            if isinstance(groups, list):
+                grouped_ids = set()
+                for group in groups:
+                    for p in group:
+                        if not isinstance(p, torch.Tensor):
+                            raise ValueError("groups must consist of torch.Tensor.")
+                        if id(p) in grouped_ids:
+                            raise ValueError("A parameter can only appear once in groups.")
+                        grouped_ids.add(id(p))
+            elif not isinstance(groups, int) or groups <= 0:
+                raise ValueError("groups should be a non-negative integer or a list of list of "
+                                 "torch.Tensor.")
+        self._groups = groups
+        self._p_groups: list[tuple] = []
+        self._p_to_group: dict = {}
+        self._group_counts: dict = {}
+        if self.process_set.included() and size() > 1:
+            self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self._groups is not None:
+            # Every rank must form the same groups: order the parameters as rank 0 does.
+            order = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,
+                                     name="DistributedOptimizer.order",
+                                     process_set=self.process_set)
+            params.sort(key=lambda p: order.index(self._parameter_names[p]))
+            if isinstance(self._groups, list):
+                listed = {id(p) for group in self._groups for p in group}
+                p_groups = [[p for p in group if any(p is q for q in params)]
+                            for group in self._groups]
+                p_groups += [[p] for p in params if id(p) not in listed]
+            else:
+                p_groups = _split(params, self._groups)
+            self._p_groups = [tuple(g) for g in p_groups if g]
+            for group in self._p_groups:
+                for p in group:
+                    self._p_to_group[p] = group
+                self._group_counts[group] = 0
+        for p in params:
+            self._requires_update.append(p)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # -- hooks and reductions -------------------------------------------------------------------
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        entry = self._handles.get(p)
+        if entry is not None and entry[0] is not None and self._allreduce_delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] == 0:
+            if self._groups is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+                return
+            group = self._p_to_group[p]
+            self._group_counts[group] += 1
+            if self._group_counts[group] == len(group):
+                for gp in group:
+                    self._handles.pop(gp, None)
+                self._handles[group] = self._grouped_allreduce_grad_async(group)
+                self._group_counts[group] = 0
+                return
+        self._handles[p] = (None, None)
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # No gradient here (a branch this rank did not use) but maybe on other ranks:
+            # contribute zeros so that nobody waits for this name forever.
+            p.grad = torch.zeros_like(p)
+        return p.grad.to_dense() if p.grad.is_sparse and self.sparse_as_dense else p.grad
+
+    def _allreduce_grad_async(self, p: torch.Tensor):
+        name = self._parameter_names.get(p)
+        grad = self._dense_grad(p)
+        if grad.is_sparse:
+            return sparse_allreduce_async(grad, name=name, op=self.op,
+                                          process_set=self.process_set), None
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = self._scales
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
+                                  postscale_factor=postscale, process_set=self.process_set)
+        return handle, ctx
+
+    def _grouped_allreduce_grad_async(self, group: tuple):
+        grads = [self._dense_grad(p) for p in group]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("groups do not support sparse gradients: pass "
+                             "sparse_as_dense=True to DistributedOptimizer")
+        compressed, ctxs = zip(*[self._compression.compress(g) for g in grads])
+        prescale, postscale = self._scales
+        handle = grouped_allreduce_async_(list(compressed), name=self._parameter_names[group[0]],
+                                          op=self.op, prescale_factor=prescale,
+                                          postscale_factor=postscale,
+                                          process_set=self.process_set)
+        return handle, ctxs
+
+    def _apply(self, p: torch.Tensor, output: torch.Tensor, ctx) -> None:
+        grad = self._compression.decompress(output, ctx)
+        self._allreduce_delay[p] = self.backward_passes_per_step
+        if p.grad.is_sparse:
+            # Sparse gradients do not support set_; zero and add is equivalent.
+            p.grad.zero_().add_(grad if grad.is_sparse else grad.to_sparse())
+        elif grad is not p.grad:
+            p.grad.set_(grad)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce (starting those whose hook did not fire)."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        if self._groups is None:
+            for p in self._requires_update:
+                entry = self._handles.get(p)
+                if entry is None or entry[0] is None:
+                    self._handles[p] = self._allreduce_grad_async(p)
+        else:
+            for group in self._p_groups:
+                if group not in self._handles:
+                    for gp in group:
+                        self._handles.pop(gp, None)
+                    self._handles[group] = self._grouped_allreduce_grad_async(group)
+                self._group_counts[group] = 0
+        for key, (handle, ctx) in self._handles.items():
+            output = synchronize(handle)
+            if isinstance(key, tuple):
+                for gp, gout, gctx in zip(key, output, ctx):
+                    self._apply(gp, gout, gctx)
+            else:
+                self._apply(key, output, ctx)
+        self._handles.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` skip synchronization, after an explicit ``synchronize()``::
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._local_step(closure)
+
+    def _local_step(self, closure=None):
+        """The wrapped optimizer's update alone, with no communication."""
+        return self._base_class.step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        return self._base_class.zero_grad(self, set_to_none)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        return self._base_class.load_state_dict(self, state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Adasum (Horovod's delta optimizer): each rank applies its own update to a copy of the
+    parameters, and the updates (deltas) are combined with the Adasum operation."""
+
+    _base_class: type
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1):
+        self._base_class.__init__(self, params)
+        self._compression = compression
+        self._parameter_names = _parameter_names(self, named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
+        self._handles: dict = {}
+        self._hook_handles = []
+        self._requires_update: list[torch.Tensor] = []
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
+                                 for p in self._parameter_names}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+                    self._requires_update.append(p)
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        entry = self._handles.get(p)
+        if entry is not None and entry[0] is not None and self._allreduce_delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        self._handles[p] = (self._allreduce_grad_async(p) if self._allreduce_delay[p] == 0
+                            else (None, None))
+
+    def _allreduce_grad_async(self, p: torch.Tensor):
+        # The local update of p alone, as a delta from where p started: p <- step(p) - start.
+        start = self._starting_models[p]
+        stashed = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [p] if any(p is v for v in group["params"]) else []
+        try:
+            with torch.no_grad():
+                start.copy_(p)
+                self._base_class.step(self)
+                p.sub_(start)
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        compressed, ctx = self._compression.compress(p.data)
+        handle = allreduce_async_(compressed, name=self._parameter_names.get(p), op=Adasum)
+        return handle, ctx
+
+    def synchronize(self) -> None:
+        """Nothing to do: Adasum combines parameter updates inside ``step()``."""
+
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum "
+                             "optimizer.")
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for p in self._requires_update:
+            entry = self._handles.get(p)
+            if entry is None or entry[0] is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        with torch.no_grad():
+            for p, (handle, ctx) in self._handles.items():
+                delta = self._compression.decompress(synchronize(handle), ctx)
+                start = self._starting_models[p]
+                start.add_(delta)
+                p.copy_(start)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        return self._base_class.zero_grad(self, set_to_none)
+
+
+def _wrap_class(template: type, base: type) -> type:
+    """A subclass of ``base`` with ``template``'s methods (the optimizer keeps its class name)."""
+    namespace = {k: v for k, v in template.__dict__.items() if k not in ("__dict__",
+                                                                          "__weakref__")}
+    namespace["_base_class"] = base
+    cls = type(base.__name__, (base,), namespace)
+    # torch wraps an optimizer class's step() with its profiling and step hooks; the wrapped
+    # optimizer's own step() already has them, so they must not run twice.
+    cls.step.hooked = True
+    return cls
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Allreduces start during ``loss.backward()``, one per parameter as soon as its gradient is
+    ready (fused by the engine); ``step()`` waits for them. Call ``synchronize()`` yourself to
+    modify the reduced gradients (e.g. clipping), then ``step()`` inside
+    ``skip_synchronize()``.
+
+    Arguments:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``: names the allreduces (recommended).
+        compression: ``Compression.none`` or ``Compression.fp16`` (gradients sent as float16).
+        backward_passes_per_step: backward passes accumulated locally before each reduction.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with Average, scale by ``1/f`` before the sum and by
+            ``f/size`` after it.
+        num_groups: deprecated alias of an integer ``groups``.
+        groups: an int (split the parameters into that many groups) or a list of lists of
+            parameters: each group is reduced in one grouped allreduce.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: reduce over this process set only.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    base = optimizer.__class__
+    if op != Adasum or size() == 1:
+        wrapped = _wrap_class(_DistributedOptimizer, base)(
+            optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+            op, gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    else:
+        if process_set is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        wrapped = _wrap_class(_DistributedAdasumOptimizer, base)(
+            optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
+    wrapped.defaults = optimizer.defaults
+    wrapped.state = optimizer.state  # keep what the optimizer already learned
+    return wrapped

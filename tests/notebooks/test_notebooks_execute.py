@@ -1,0 +1,82 @@
+"""Both shipped notebooks, executed end to end with nbclient in a fresh kernel.
+
+The kernel is this interpreter (a kernelspec written to a temporary directory), so it imports
+the same hpc_horovod, torch and TensorFlow. Each notebook trains in the kernel's single process,
+then writes its script and runs it with ``hpc-horovod run -np 2``; both print
+``FINAL test_accuracy=...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+from hpc_horovod.notebooks_cli import copy_notebooks
+
+ACCURACY = re.compile(r"^(\[\d+,(\d+)\]<stdout>:)?FINAL test_accuracy=([0-9.]+)(.*)$", re.M)
+MIN_ACCURACY = 0.9
+
+
+@pytest.fixture
+def kernel_manager(tmp_path, monkeypatch) -> KernelManager:
+    spec_dir = tmp_path / "kernels" / "hpc-horovod-tests"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "hpc_horovod tests", "language": "python"}))
+    # What the kernel inherits: this environment's bin first (hpc-horovod, python), MPI as
+    # root, no SLURM or MPI rank variables from an outer job, one thread per process.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "PMI_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    return KernelManager(kernel_name="hpc-horovod-tests",
+                         kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_dir.parent)]))
+
+
+def execute(notebook: Path, kernel_manager: KernelManager) -> tuple[nbformat.NotebookNode, str]:
+    nb = nbformat.read(notebook, as_version=4)
+    client = NotebookClient(nb, km=kernel_manager, timeout=240,
+                            resources={"metadata": {"path": str(notebook.parent)}})
+    client.execute()
+    text = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream":
+                text.append(output.text)
+    return nb, "".join(text)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("framework", ["pytorch", "keras"])
+def test_notebook_trains_in_kernel_and_on_two_processes(framework, tmp_path, kernel_manager):
+    name, plot = f"data_parallel_{framework}.ipynb", f"learning_curve_{framework}.png"
+    copy_notebooks(tmp_path)
+    nb, text = execute(tmp_path / name, kernel_manager)
+
+    found = ACCURACY.findall(text)
+    in_kernel = [float(acc) for tag, _, acc, _ in found if not tag]
+    distributed = [(int(rank), float(acc), rest) for tag, rank, acc, rest in found if tag]
+    assert len(in_kernel) == 1 and in_kernel[0] >= MIN_ACCURACY, text
+    assert len(distributed) == 1, text
+    rank, accuracy, rest = distributed[0]
+    assert rank == 0 and accuracy >= MIN_ACCURACY and "processes=2" in rest, text
+
+    images = [o for cell in nb.cells for o in cell.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, "the learning-curve cell drew nothing"
+    assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,83 @@
+"""Run on every rank by test_failures.py; the scenario is the first argument.
+
+* ``exception``: the last rank raises while the others wait in an allreduce; their pending op
+  fails with a HorovodInternalError naming that rank and its exception.
+* ``stall``: the last rank submits 3 s late; rank 0 warns (HOROVOD_STALL_CHECK_TIME_SECONDS=1)
+  naming it and the tensor, then everything completes.
+* ``stall_shutdown``: the last rank never submits; with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2
+  every rank fails with the stall message.
+* ``kill``: the last rank SIGKILLs itself in the middle of allreduces; the launcher must end the
+  job (the test checks its message).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import hpc_horovod as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+LAST = SIZE - 1
+scenario = sys.argv[1]
+
+
+def say(text: str) -> None:
+    print(f"rank {RANK}: {text}", flush=True)
+
+
+if scenario == "exception":
+    hvd.barrier()
+    if RANK == LAST:
+        time.sleep(0.2)  # let the others block in their allreduce first
+        raise RuntimeError("boom on purpose")
+    start = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(4), name="waiting.for.peer")
+    except hvd.HorovodInternalError as exc:
+        say(f"failed after {time.monotonic() - start:.1f} s with: {exc}")
+    else:
+        raise AssertionError("the allreduce succeeded without the failed rank")
+    try:  # the engine is stopped for good: new ops are refused at once
+        hvd.allreduce(np.ones(1))
+    except hvd.HorovodInternalError as exc:
+        say(f"then refused with: {exc}")
+
+elif scenario == "stall":
+    if RANK == LAST:
+        time.sleep(3.0)
+    got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="late.tensor")
+    assert got.tolist() == [SIZE, SIZE]
+    say("stall resolved")
+
+elif scenario == "stall_shutdown":
+    start = time.monotonic()
+    try:
+        if RANK == LAST:
+            hvd.barrier()  # never matched: the others wait for "orphan"
+        else:
+            hvd.allreduce(np.ones(2), name="orphan")
+    except hvd.HorovodInternalError as exc:
+        say(f"stopped after {time.monotonic() - start:.1f} s with: {exc}")
+    else:
+        raise AssertionError("the stalled op completed")
+
+elif scenario == "kill":
+    for step in range(1000):
+        handle = hvd.allreduce_async(np.ones(1 << 16, np.float32), op=hvd.Sum, name=f"s.{step}")
+        if RANK == LAST and step == 5:
+            say("killing myself")
+            os.kill(os.getpid(), signal.SIGKILL)
+        hvd.synchronize(handle)
+    raise AssertionError("1000 allreduces completed although a rank was killed")
+
+else:
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+hvd.shutdown()
+say("done")

@@ -1,0 +1,163 @@
+"""Jobs on a real SLURM (the ``slurm`` fixture): generated job scripts, layouts, launch mistakes,
+a rank killed mid-training, requeue on SIGUSR2, and ``srun hpc-horovod doctor``.
+
+The two "nodes" run on this host; their GPUs are fake device files (there is no GPU here), so
+only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is exercised with them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_horovod.slurm import render_job
+
+pytestmark = pytest.mark.slurm
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+HPC_HOROVOD = [sys.executable, "-m", "hpc_horovod.cli"]
+
+
+def _job_script(tmp_path: Path, name: str, command: list[str], **options) -> Path:
+    """A job script from the generic profile (CPU only, partition debug)."""
+    script = render_job(command, cluster="generic", partition="debug", time="00:05:00",
+                        job_name=name, modules=[], **options)
+    path = tmp_path / f"{name}.sh"
+    path.write_text(script)
+    return path
+
+
+def _output(tmp_path: Path, name: str) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob(f"{name}-*.out")))
+
+
+@pytest.mark.parametrize("nodes, tasks", [(2, 1), (1, 2)])
+def test_generated_script_runs_one_rank_per_task(slurm, tmp_path, nodes, tasks):
+    script = _job_script(tmp_path, f"layout{nodes}x{tasks}",
+                         [sys.executable, str(WORKERS / "check_layout.py")],
+                         nodes=nodes, gpus_per_node=0, tasks_per_node=tasks)
+    proc = slurm.run(["sbatch", "--wait", str(script)], timeout=90, cwd=tmp_path)
+    out = _output(tmp_path, f"layout{nodes}x{tasks}")
+    assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\n{out}"
+    assert out.count("layout ok") == nodes * tasks, out
+    assert "export SRUN_CPUS_PER_TASK=1" in script.read_text()
+
+
+def test_non_uniform_layout(slurm, tmp_path):
+    proc = slurm.run(["srun", "-N", "2", "-n", "3", "--mpi=pmix", "--kill-on-bad-exit=1",
+                      sys.executable, str(WORKERS / "check_layout.py"), "2,1"], timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("layout ok") == 3
+    assert "local 1/2 node 0/2" in proc.stdout and "local 0/1 node 1/2" in proc.stdout
+
+
+def test_batch_script_without_srun_names_the_fix(slurm, tmp_path):
+    script = tmp_path / "nosrun.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=nosrun-%j.out\n"
+                      f"{sys.executable} {WORKERS / 'batch_without_srun.py'}\n")
+    proc = slurm.run(["sbatch", "--wait", str(script)], timeout=60, cwd=tmp_path)
+    out = _output(tmp_path, "nosrun")
+    assert proc.returncode == 3, f"{proc.stdout}{proc.stderr}\n{out}"
+    assert "BatchScriptWithoutSrunError" in out and "srun python train.py" in out, out
+
+
+def test_srun_without_mpi_plugin_fails_fast(slurm):
+    """Open MPI under --mpi=none cannot wire the tasks: a clear failure, never a hang."""
+    start = time.monotonic()
+    proc = slurm.run(["srun", "-N", "1", "-n", "2", "--mpi=none", sys.executable,
+                      str(WORKERS / "check_layout.py")], timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "layout ok" not in out
+    assert "--mpi=pmix" in out or "PMI support" in out, out
+    assert time.monotonic() - start < 60
+
+
+def test_killed_rank_ends_the_job(slurm, tmp_path):
+    script = _job_script(tmp_path, "killed", [sys.executable,
+                                              str(WORKERS / "train_until_killed.py"), "1"],
+                         nodes=2, gpus_per_node=0, tasks_per_node=1)
+    assert "--kill-on-bad-exit=1" in script.read_text()
+    start = time.monotonic()
+    proc = slurm.run(["sbatch", "--wait", str(script)], timeout=60, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    out = _output(tmp_path, "killed")
+    assert proc.returncode != 0, out
+    assert "rank 1: SIGKILL at step 3" in out, out
+    assert "survived" not in out, out
+    # The survivors alone would loop for 30 s; SLURM ended the step as soon as rank 1 died.
+    assert elapsed < 25, (elapsed, out)
+
+
+def test_requeue_on_signal_saves_requeues_and_resumes(slurm, tmp_path):
+    checkpoint, progress = tmp_path / "checkpoint.json", tmp_path / "progress"
+    proc = slurm.run([*HPC_HOROVOD, "sbatch", "--cluster", "generic", "--nodes", "2",
+                      "--gpus-per-node", "0", "--partition", "debug", "--time", "00:10:00",
+                      "--requeue", "--job-name", "requeue", "--modules", "", "-o", "job.sh",
+                      "--submit", "--", sys.executable, str(WORKERS / "train_requeue.py"),
+                      str(checkpoint), str(progress)], cwd=tmp_path, check=True)
+    job = proc.stdout.strip()
+    assert job.isdigit(), proc.stdout
+    script = (tmp_path / "job.sh").read_text()
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR2@300" in script
+
+    deadline = time.monotonic() + 60
+    while not (progress.exists() and progress.read_text().strip().isdigit()
+               and int(progress.read_text()) >= 5):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the job made no progress: {slurm.job_state(job)}\n"
+                        f"{_output(tmp_path, 'requeue')}")
+        time.sleep(0.2)
+    slurm.run(["scancel", "--signal=USR2", job], check=True)
+    state = slurm.wait_job(job, 60, until=("PENDING", "COMPLETED", "FAILED", "CANCELLED"))
+    assert state["JobState"] == "PENDING" and state["Restarts"] == "1", state
+    # SLURM holds a requeued job for two minutes; as administrators we let it start now.
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    state = slurm.wait_job(job, 90)
+    out = _output(tmp_path, "requeue")
+    assert state["JobState"] == "COMPLETED", f"{state}\n{out}"
+    saved = int(out.split("saved checkpoint at step ")[1].split()[0])
+    assert saved >= 5
+    assert out.count(f"restart 1, starting at step {saved}") == 2, out
+    assert f"rank 0: resumed from step {saved}" in out and "SLURM_RESTART_COUNT=1" in out, out
+    assert out.count("stopped at step") == 2, out
+
+
+def _doctor(slurm, *srun_args, timeout=60):
+    return slurm.run(["srun", *srun_args, *HPC_HOROVOD, "doctor"], timeout=timeout)
+
+
+def test_doctor_reports_every_rank(slurm):
+    proc = _doctor(slurm, "-N", "2", "--ntasks-per-node=2", "--gres=gpu:2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("hpc_horovod doctor: slurm launch, 4 process(es) on 2 node(s)")
+    rows = [line.split() for line in lines[2:6]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert [r[2] for r in rows] == ["n1", "n1", "n2", "n2"]
+    assert [r[3] for r in rows] == ["0/2", "1/2", "0/2", "1/2"]
+    assert [r[4] for r in rows] == ["0/2", "0/2", "1/2", "1/2"]
+    assert all(r[5] == "0,1" for r in rows), rows
+    assert lines[-1] == "verdict: ready", proc.stdout
+
+
+def test_doctor_flags_gpu_mistakes(slurm):
+    shared = _doctor(slurm, "-N", "1", "-n", "2", "--gres=gpu:1")
+    assert shared.returncode == 1, shared.stdout + shared.stderr
+    assert "2 tasks on n1 share 1 GPU(s)" in shared.stdout
+    assert "verdict: NOT READY" in shared.stdout
+
+    per_task = _doctor(slurm, "-N", "1", "-n", "2", "--gres=gpu:2", "--gpus-per-task=1")
+    assert per_task.returncode == 0, per_task.stdout + per_task.stderr
+    assert "torch.cuda.set_device(hvd.local_rank()) fails" in per_task.stdout
+    assert "verdict: ready, with 1 warning(s)" in per_task.stdout
+
+
+def test_doctor_without_mpi_plugin(slurm):
+    proc = _doctor(slurm, "-N", "1", "-n", "2", "--mpi=none")
+    assert proc.returncode != 0
+    assert proc.stdout.count("without an MPI plugin") == 2, proc.stdout + proc.stderr
+    assert "srun --mpi=pmix" in proc.stdout

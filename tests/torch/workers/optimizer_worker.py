@@ -1,0 +1,308 @@
+"""DistributedOptimizer, broadcasts of parameters/optimizer state/objects and SyncBatchNorm,
+checked against one process training on the concatenated batch; run on each rank by mpirun."""
+
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+import hpc_horovod.torch as hvd
+
+torch.set_num_threads(1)
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+BATCH = 4  # per rank
+STEPS = 4
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def data(step):
+    """The global batch of a step; rank r trains on rows [r*BATCH, (r+1)*BATCH)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(N * BATCH, 6, generator=g), torch.randn(N * BATCH, 3, generator=g)
+
+
+def mine(tensor):
+    return tensor[R * BATCH:(R + 1) * BATCH]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def reference(make_opt, steps=STEPS):
+    model = make_model()
+    opt = make_opt(model.parameters())
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    return model
+
+
+def distributed(make_opt, steps=STEPS, passes=1, **kwargs):
+    model = make_model(seed=R)  # different on every rank until the broadcast
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(steps):
+        x, y = data(step)
+        x, y = mine(x), mine(y)
+        opt.zero_grad()
+        for part in range(passes):  # micro-batches accumulated locally
+            rows = slice(part * BATCH // passes, (part + 1) * BATCH // passes)
+            (loss_fn(model, x[rows], y[rows]) / passes).backward()
+        opt.step()
+    return model, opt
+
+
+def assert_identical_on_all_ranks(model, what):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    for r in range(N):
+        assert torch.equal(gathered[r], flat), f"{what}: rank {r} differs from rank {R}"
+
+
+def assert_close(model, ref, atol, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p - q).abs().max().item()
+        assert err <= atol, f"{what}: {name} differs from one process by {err:g} > {atol:g}"
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def check_equivalence():
+    cases = [
+        ("SGD+momentum", sgd, {}, 1e-5),
+        ("Adam", adam, {}, 1e-5),
+        ("SGD, backward_passes_per_step=2", sgd, {"passes": 2}, 1e-5),
+        ("Adam, backward_passes_per_step=2", adam, {"passes": 2}, 1e-5),
+        ("SGD, fp16 compression", sgd, {"compression": hvd.Compression.fp16}, 2e-3),
+        ("Adam, fp16 compression", adam, {"compression": hvd.Compression.fp16}, 5e-3),
+        ("SGD, gradient_predivide_factor=2", sgd, {"gradient_predivide_factor": 2.0}, 1e-5),
+        ("SGD, groups=2", sgd, {"groups": 2}, 1e-5),
+        ("SGD, op=Sum with lr/N", lambda p: torch.optim.SGD(p, lr=0.1 / N), {"op": hvd.Sum},
+         1e-5),
+    ]
+    for what, make_opt, kwargs, atol in cases:
+        if "op" in kwargs:
+            ref = reference(lambda p: torch.optim.SGD(p, lr=0.1))
+        else:
+            ref = reference(make_opt)
+        model, _ = distributed(make_opt, **kwargs)
+        assert_close(model, ref, atol, what)
+        assert_identical_on_all_ranks(model, what)
+
+
+def check_missing_gradients():
+    """A branch only rank 0 uses: its gradient is None elsewhere, yet nobody deadlocks and
+    every rank applies rank 0's gradient divided by N."""
+    torch.manual_seed(0)
+    shared, branch = nn.Linear(2, 1), nn.Linear(2, 1)
+    model = nn.ModuleDict({"shared": shared, "branch": branch})
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    before = branch.weight.detach().clone()
+    x = torch.ones(1, 2)
+    out = shared(x)
+    if R == 0:
+        out = out + branch(x)
+    opt.zero_grad()
+    out.sum().backward()
+    opt.step()
+    assert torch.allclose(branch.weight, before - 1.0 / N), (branch.weight, before)
+    assert_identical_on_all_ranks(model, "missing gradients")
+
+
+def check_sparse_gradients():
+    torch.manual_seed(0)
+    for sparse_as_dense in (False, True):
+        ref = nn.Embedding(10, 3, sparse=True)
+        model = nn.Embedding(10, 3, sparse=True)
+        model.load_state_dict(ref.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        ids = torch.tensor([[r, r + 1] for r in range(N)])
+        ref_opt.zero_grad()
+        ref(ids).sum().div(N).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        model(ids[R:R + 1]).sum().backward()
+        opt.step()
+        assert torch.allclose(model.weight, ref.weight, atol=1e-6), sparse_as_dense
+
+
+def check_synchronize_and_errors():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = data(0)
+    loss_fn(model, mine(x), mine(y)).backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as exc:
+        assert "before optimizer.step() or optimizer.synchronize()" in str(exc)
+    else:
+        raise AssertionError("zero_grad between backward and step must raise")
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert norm <= 0.0100001, norm
+    with opt.skip_synchronize():
+        opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        loss_fn(model, mine(x), mine(y)).backward()
+        opt.synchronize()
+        opt.step()  # synchronize() then step() without skip_synchronize: Horovod warns
+    assert any("skip_synchronize" in str(w.message) for w in caught), caught
+    # a second backward before step with backward_passes_per_step=1
+    opt.zero_grad()
+    loss_fn(model, mine(x), mine(y)).backward()
+    try:
+        loss_fn(model, mine(x), mine(y)).backward()
+    except AssertionError as exc:
+        assert "backward_passes_per_step" in str(exc)
+    else:
+        raise AssertionError("two backward passes must raise")
+    opt.synchronize()  # drain the first pass's handles
+    # names: duplicates, unnamed parameters, not tuples
+    params = list(model.named_parameters())
+    for bad, text in (
+        ([("w", params[0][1]), ("w", params[1][1])] + params[2:],
+         "Parameter names in named_parameters must be unique. Found duplicates: w"),
+        (params[:1], "named_parameters was specified, but one or more model parameters were "
+                     "not named"),
+        ([p for _, p in params], "named_parameters should be a sequence of tuples"),
+    ):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=bad)
+        except ValueError as exc:
+            assert text in str(exc), exc
+        else:
+            raise AssertionError(f"expected: {text}")
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    except ValueError as exc:
+        assert "gradient_predivide_factor not supported with op != Average" in str(exc)
+    else:
+        raise AssertionError("predivide with Sum must raise")
+    # the wrapper is an instance of the wrapped class and keeps its name
+    assert isinstance(opt, torch.optim.SGD) and type(opt).__name__ == "SGD"
+
+
+def check_broadcast_state():
+    # every rank fresh: the state stays empty (no hidden step), parameters do not move
+    model = make_model(seed=R)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1 * (R + 1), weight_decay=0.5)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert not opt.state
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert opt.param_groups[0]["lr"] == 0.1, opt.param_groups[0]["lr"]
+    # root resumed (has state), the others are fresh: they receive the root's state
+    model = make_model()
+    base = torch.optim.Adam(model.parameters(), lr=0.01)
+    if R == 0:
+        for step in range(3):
+            x, y = data(step)
+            loss_fn(model, x, y).backward()
+            base.step()
+            base.zero_grad()
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for p in model.parameters():
+        state = opt.state[p]
+        assert float(state["step"]) == 3.0, state["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            gathered = hvd.allgather(state[key].unsqueeze(0))
+            assert all(torch.equal(g, state[key]) for g in gathered), key
+        assert p.grad is None or not p.grad.abs().sum()
+    # objects
+    obj = hvd.broadcast_object({"epoch": 7, "rank": R} if R == 0 else None, root_rank=0)
+    assert obj == {"epoch": 7, "rank": 0}, obj
+    assert hvd.allgather_object(("r", R)) == [("r", r) for r in range(N)]
+
+
+def check_sync_batch_norm():
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(N * 3, 4, 5, 5, generator=g, dtype=torch.float64) * 2 + 1
+    w_out = torch.randn(N * 3, 4, 5, 5, generator=g, dtype=torch.float64)
+    ref = nn.BatchNorm2d(4).double()
+    sync = hvd.SyncBatchNorm(4).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-1, 1)
+    sync.load_state_dict(ref.state_dict())
+    xr = x_all.clone().requires_grad_(True)
+    ref_out = ref(xr)
+    (ref_out * w_out).sum().backward()
+    xs = x_all[R * 3:(R + 1) * 3].clone().requires_grad_(True)
+    out = sync(xs)
+    (out * w_out[R * 3:(R + 1) * 3]).sum().backward()
+    rows = slice(R * 3, (R + 1) * 3)
+    assert torch.allclose(out, ref_out[rows], atol=1e-10)
+    assert torch.allclose(xs.grad, xr.grad[rows], atol=1e-10), (xs.grad - xr.grad[rows]).abs().max()
+    for mine_grad, ref_param in ((sync.weight.grad, ref.weight), (sync.bias.grad, ref.bias)):
+        total = hvd.allreduce(mine_grad, op=hvd.Sum)
+        assert torch.allclose(total, ref_param.grad, atol=1e-10)
+    assert torch.allclose(sync.running_mean, ref.running_mean, atol=1e-10)
+    assert torch.allclose(sync.running_var, ref.running_var, atol=1e-10)
+    assert int(sync.num_batches_tracked) == 1
+    sync.eval()
+    ref.eval()
+    assert torch.allclose(sync(xs.detach()), ref(x_all)[rows], atol=1e-10)
+
+
+def check_adasum():
+    """Adasum combines each rank's parameter update: check the pairwise formula for 2 ranks."""
+    if N != 2:
+        return
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1, bias=False)
+    start = model.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    x = torch.tensor([[1.0, 2.0, 3.0]]) * (R + 1) + torch.tensor([[R, 0.0, -R]])
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    deltas = hvd.allgather(-0.1 * x)  # each rank's SGD update of the weight
+    a, b = deltas[0].double(), deltas[1].double()
+    dot = a @ b
+    combined = (1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b
+    assert torch.allclose(model.weight.detach().double(), start.double() + combined,
+                          atol=1e-6), (model.weight, start + combined)
+
+
+check_equivalence()
+check_missing_gradients()
+check_sparse_gradients()
+check_synchronize_and_errors()
+check_broadcast_state()
+check_sync_batch_norm()
+check_adasum()
+hvd.shutdown()
+print(f"rank {R}: torch optimizer ok", file=sys.stderr)

@@ -14,7 +14,7 @@ sysdeps:
 	bash scripts/install-system-deps.sh
 
 # torch is pinned first so that nothing pulls a CUDA build from the registry.
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml setup.py $(wildcard src_native/*.c src_native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"

@@ -7,16 +7,17 @@ Measured on every rank, in the same processes:
 * one buffer of 4 KiB .. ``--max-bytes``: ``hvd.allreduce`` (numpy), ``hvd.allreduce_``
   (in place), ``hpc_horovod.torch.allreduce`` (CPU tensors), mpi4py ``Allreduce`` in place and
   out of place, torch.distributed gloo ``all_reduce`` and Horovod's ``horovod.torch.allreduce``
-  (the last three when importable);
+  (the torch-based ones when they import; float16/bfloat16 go to mpi4py with the native sum);
 * many small tensors: 200 x 16 KiB submitted asynchronously, then all synchronized (mpi4py: one
   Allreduce of the same bytes, and 200 Iallreduce; gloo: 200 async ops);
 * float16 at 16 MiB: the native 16-bit MPI sum against what the package does without it
   (widen to float32 on the wire), and against what a user of mpi4py alone would write;
 * the fusion buffer's pack and unpack of 200 x 16 KiB: numpy against ``_native.pack/unpack``.
 
-Every reduction is a Sum (MPI's op; hpc_horovod's default Average adds a scaling). Each timing
-starts after a barrier; a repetition lasts as long as its slowest rank; the median over
-repetitions (after warm-up) is reported, with bus bandwidth in the nccl-tests convention
+Every reduction is a Sum (MPI's op; hpc_horovod's default Average adds a scaling). The cases
+of one size run interleaved, repetition by repetition, so load from elsewhere hits them alike.
+Each timing starts after a barrier; a repetition lasts as long as its slowest rank; the median
+over repetitions (after warm-up) is reported, with bus bandwidth in the nccl-tests convention
 ``busbw = bytes / time * 2 (n - 1) / n``. Results go to ``benchmarks/out/allreduce.json`` and
 ``allreduce.png``.
 """
@@ -92,7 +93,8 @@ def fmt_time(seconds: float) -> str:
 # -- timing ----------------------------------------------------------------------------------------
 
 class Timer:
-    """Collective timing: every rank runs the same number of repetitions of ``fn``."""
+    """Collective timing of competing cases, interleaved repetition by repetition so that a
+    burst of load from elsewhere on the machine hits every case alike."""
 
     def __init__(self, comm: MPI.Comm, seconds_per_point: float, min_reps: int, max_reps: int):
         self.comm = comm
@@ -107,15 +109,29 @@ class Timer:
         fn()
         return time.perf_counter() - start
 
-    def median(self, fn: Callable[[], object], setup: Callable[[], object] | None = None,
-               warmup: int = 2) -> tuple[float, int]:
-        """(median over repetitions of the slowest rank's time, repetitions)."""
-        first = max(self._once(fn, setup) for _ in range(warmup))
-        first = self.comm.allreduce(first, op=MPI.MAX)
-        reps = int(min(self.max_reps, max(self.min_reps, self.seconds / max(first, 1e-9))))
-        local = [self._once(fn, setup) for _ in range(reps)]
+    def compare(self, cases: dict[str, tuple], warmup: int = 2) -> tuple[dict, dict]:
+        """({case: (median seconds of the slowest rank, repetitions)}, {case: error}).
+
+        A case that raises while warming up (on every rank alike, e.g. a dtype gloo cannot
+        reduce) is left out and reported.
+        """
+        first, errors = {}, {}
+        for name, (fn, setup) in cases.items():
+            try:
+                first[name] = max(self._once(fn, setup) for _ in range(warmup))
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+        names = list(first)
+        slowest_first = self.comm.allreduce(sum(first.values()), op=MPI.MAX)
+        budget = self.seconds * max(len(names), 1)
+        reps = int(min(self.max_reps, max(self.min_reps, budget / max(slowest_first, 1e-9))))
+        local = np.empty((reps, len(names)))
+        for r in range(reps):
+            for j, name in enumerate(names):
+                local[r, j] = self._once(*cases[name])
         slowest = np.max(np.array(self.comm.allgather(local)), axis=0)
-        return float(statistics.median(slowest)), reps
+        return {name: (float(np.median(slowest[:, j])), reps)
+                for j, name in enumerate(names)}, errors
 
 
 # -- the contenders --------------------------------------------------------------------------------
@@ -166,7 +182,12 @@ class Contenders:
         address, port = self.comm.bcast((address, port), root=0)
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(hvd.rank()),
                           WORLD_SIZE=str(hvd.size()))
-        dist.init_process_group("gloo", init_method="env://")
+        try:
+            dist.init_process_group("gloo", init_method="env://",
+                                    timeout=datetime.timedelta(seconds=60))
+        except Exception as e:  # noqa: BLE001 - e.g. the port was taken meanwhile
+            self.skipped["gloo"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            return
         self.dist = dist
 
     def _tensor(self, x: np.ndarray):
@@ -291,17 +312,12 @@ def busbw(nbytes: int, seconds: float, size: int) -> float:
 
 
 def run_cases(timer: Timer, cases: dict[str, tuple], nbytes: int, size: int, **labels) -> list:
-    rows = []
-    for method, (fn, setup) in cases.items():
-        try:
-            seconds, reps = timer.median(fn, setup)
-        except Exception as e:  # noqa: BLE001 - e.g. a dtype gloo cannot reduce (every rank)
-            rows.append(dict(labels, method=method, bytes=nbytes, error=f"{type(e).__name__}: "
-                             f"{e}".splitlines()[0]))
-            continue
-        rows.append(dict(labels, method=method, bytes=nbytes, time_s=seconds, reps=reps,
-                         algbw=nbytes / seconds, busbw=busbw(nbytes, seconds, size)))
-    return rows
+    timings, errors = timer.compare(cases)
+    rows = [dict(labels, method=method, bytes=nbytes, time_s=seconds, reps=reps,
+                 algbw=nbytes / seconds, busbw=busbw(nbytes, seconds, size))
+            for method, (seconds, reps) in timings.items()]
+    return rows + [dict(labels, method=method, bytes=nbytes, error=error)
+                   for method, error in errors.items()]
 
 
 def sweep(timer: Timer, contenders: Contenders, dtype: np.dtype, sizes: list[int]) -> list:
@@ -412,25 +428,24 @@ def pack_unpack(reps: int) -> list:
                   for i in range(SMALL_COUNT)]
         outputs = [np.empty_like(a) for a in arrays]
         buf = np.empty(sum(a.size for a in arrays), wd)
-        for method, fn in (("numpy loop", pack_numpy_loop),
-                           ("numpy concatenate", pack_numpy_concatenate),
-                           ("native pack/unpack", pack_native)):
-            for _ in range(3):
-                fn(arrays, buf, outputs, factor)
-            times = []
-            for _ in range(reps):
+        methods = {"numpy loop": pack_numpy_loop, "numpy concatenate": pack_numpy_concatenate,
+                   "native pack/unpack": pack_native}
+        times = {method: [] for method in methods}
+        for rep in range(reps + 3):  # interleaved, the first 3 rounds are warm-up
+            for method, fn in methods.items():
                 start = time.perf_counter()
                 fn(arrays, buf, outputs, factor)
-                times.append(time.perf_counter() - start)
-            rows.append(dict(src=src, wire=wire, method=method,
-                             time_s=float(statistics.median(times))))
+                if rep >= 3:
+                    times[method].append(time.perf_counter() - start)
+        rows += [dict(src=src, wire=wire, method=method, time_s=float(statistics.median(t)))
+                 for method, t in times.items()]
     return rows
 
 
 # -- report ----------------------------------------------------------------------------------------
 
 def print_sweep(rows: list, dtype: str) -> None:
-    mine = [r for r in rows if r["dtype"] == dtype]
+    mine = [r for r in rows if r["dtype"] == dtype and "time_s" in r]
     methods = list(dict.fromkeys(r["method"] for r in mine))
     sizes = sorted({r["bytes"] for r in mine})
     cell = {(r["bytes"], r["method"]): r for r in mine}
@@ -441,16 +456,18 @@ def print_sweep(rows: list, dtype: str) -> None:
         base = cell.get((nbytes, BASELINE))
         line = f"{human(nbytes):>10}"
         for m in methods:
-            r = cell[(nbytes, m)]
-            ratio = f" x{r['time_s'] / base['time_s']:.2f}" if base else ""
-            line += f"{fmt_time(r['time_s']) + ratio:>{width}}"
+            r = cell.get((nbytes, m))
+            ratio = f" x{r['time_s'] / base['time_s']:.2f}" if r and base else ""
+            line += f"{fmt_time(r['time_s']) + ratio if r else '-':>{width}}"
         print(line)
-        print(f"{'':>10}" + "".join(f"{cell[(nbytes, m)]['busbw'] / 1e9:>{width}.3f}"
-                                     for m in methods))
+        print(f"{'':>10}" + "".join(
+            f"{cell[(nbytes, m)]['busbw'] / 1e9:>{width}.3f}" if (nbytes, m) in cell
+            else f"{'-':>{width}}" for m in methods))
 
 
 def print_rows(title: str, rows: list, baseline: str | None = None) -> None:
     print(f"\n{title}")
+    rows = [r for r in rows if "time_s" in r]
     base = next((r for r in rows if r["method"].startswith(baseline)), None) if baseline else None
     for r in rows:
         ratio = f"  x{r['time_s'] / base['time_s']:.2f}" if base else ""
@@ -466,10 +483,11 @@ def plot(result: dict, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot"
-    dtypes = list(dict.fromkeys(r["dtype"] for r in result["sweep"]))
+    timed = [r for r in result["sweep"] if "time_s" in r]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in timed))
     fig, axes = plt.subplots(1, len(dtypes) + 1, figsize=(6 * (len(dtypes) + 1), 4.5))
     for ax, dtype in zip(axes, dtypes):
-        rows = [r for r in result["sweep"] if r["dtype"] == dtype]
+        rows = [r for r in timed if r["dtype"] == dtype]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["bytes"], r["busbw"] / 1e9) for r in rows if r["method"] == method)
             ax.plot(*zip(*pts), marker="o", ms=3, label=method)
@@ -480,7 +498,7 @@ def plot(result: dict, path: Path) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes[-1]
-    rows = [r for r in result["small_tensors"] if r["dtype"] == dtypes[0]]
+    rows = [r for r in result["small_tensors"] if r["dtype"] == dtypes[0] and "time_s" in r]
     ax.barh([r["method"] for r in rows], [r["time_s"] * 1e3 for r in rows])
     ax.set_xlabel("ms")
     ax.set_title(f"{SMALL_COUNT} x {human(SMALL_BYTES)} {dtypes[0]}, async then synchronized")
@@ -521,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "host": socket.gethostname(), "cpus": os.cpu_count(), "machine": platform.machine(),
             "ranks": hvd.size(), "command": " ".join(sys.argv),
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
             "native": None if _native is None else _native.kernels(),
             "half_on_wire": str(fusion.wire_dtype(DTYPES["float16"], hvd.Sum)),
             "loadavg_start": os.getloadavg(), "skipped": contenders.skipped,
@@ -555,6 +573,10 @@ def main(argv: list[str] | None = None) -> None:
                    f"(wire {wire}, scaled by 0.5), rank 0",
                    [r for r in result["pack_unpack"] if (r["src"], r["wire"]) == (src, wire)],
                    "numpy loop")
+    failed = [r for section in ("sweep", "small_tensors", "half_16mib") for r in result[section]
+              if "error" in r]
+    for r in {(r["method"], r.get("dtype"), r["error"]) for r in failed}:
+        print(f"\nnot measured: {r[0]} ({r[1]}): {r[2]}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "allreduce.json").write_text(json.dumps(result, indent=1))
     print(f"\nresults: {args.out / 'allreduce.json'}")

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
 
 
-# -- the workload (runs inside each worker process) -------------------------------------------------
+# -- the workload (runs inside each worker process) --------------------------------------------
 
 def build_model():
     from torch import nn
@@ -145,10 +145,12 @@ def run_ddp(args, n: int) -> list[float]:
                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
-        if p.returncode:
-            raise RuntimeError(f"DDP worker failed:\n{out}\n{err}")
-    return _result(outputs[0][0], "DDP")
+    rates = _result(outputs[0][0], "DDP")
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode:  # after the measurement: report it, keep the numbers
+            print(f"warning: a DDP worker exited with {p.returncode} after measuring: "
+                  f"{err.strip()[-300:]}", file=sys.stderr)
+    return rates
 
 
 def main(argv=None) -> None:

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel training on SLURM clusters, Horovod style.",
     )
     parser.add_argument("--version", action="version", version=f"hpc_horovod {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"hpc-horovod {args.command}: error: {exc}", file=sys.stderr)
+        print(f"hpc-horovod {args.subcommand}: error: {exc}", file=sys.stderr)
         return 2
 
 

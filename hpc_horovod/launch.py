@@ -43,14 +43,27 @@ def _hosts(args) -> list[tuple[str, int]]:
             hosts.append((host, int(slots or 1)))
     if args.hostfile:
         with open(args.hostfile, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.split("#", 1)[0].strip()
-                if not line:
-                    continue
-                fields = line.replace("slots=", ":").replace(" ", "").split(":")
-                hosts.append((fields[0], int(fields[1]) if len(fields) > 1 and fields[1]
-                              else 1))
+            for number, line in enumerate(fh, 1):
+                hosts.extend(_hostfile_line(line, f"{args.hostfile}:{number}"))
     return hosts
+
+
+def _hostfile_line(line: str, where: str) -> list[tuple[str, int]]:
+    """One line of an Open MPI hostfile: ``host [slots=N] [max_slots=M]`` or ``host:N``."""
+    fields = line.split("#", 1)[0].split()
+    if not fields:
+        return []
+    host, _, slots = fields[0].partition(":")
+    for field in fields[1:]:
+        key, _, value = field.partition("=")
+        if key == "slots":
+            slots = value
+        elif key != "max_slots":
+            raise ValueError(f"{where}: unknown hostfile keyword {field!r} (expected "
+                             "'host slots=N [max_slots=M]')")
+    if slots and not slots.isdigit():
+        raise ValueError(f"{where}: slots must be a number, got {slots!r}")
+    return [(host, int(slots or 1))]
 
 
 def build_command(args, env=None) -> list[str]:

@@ -55,7 +55,8 @@ HH_AVX2 static inline __m256 load_f16x8(const uint16_t *p) {
 }
 
 HH_AVX2 static inline void store_f16x8(uint16_t *p, __m256 v) {
-    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m128i halves = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)p, halves);
 }
 
 HH_AVX2 static inline __m256 load_bf16x8(const uint16_t *p) {

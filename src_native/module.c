@@ -44,15 +44,36 @@ static hh_kind kind_of_format(const char *format) {
     }
 }
 
-/* 1 if obj.dtype.name == "bfloat16", 0 otherwise (never raises). */
+static PyObject *str_dtype, *str_name; /* interned "dtype", "name" */
+
+/* The bfloat16 dtype object last recognised: arrays of it skip the doomed request for a format,
+ * whose exception costs microseconds per array. */
+static PyObject *bf16_dtype = NULL;
+
+/* 1 if obj.dtype is `dtype` (identity), 0 otherwise; never raises. */
+static int has_dtype(PyObject *obj, PyObject *dtype) {
+    PyObject *own = PyObject_GetAttr(obj, str_dtype);
+    if (own == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(own);
+    return own == dtype;
+}
+
+/* 1 if obj.dtype.name == "bfloat16" (and remember that dtype), 0 otherwise; never raises. */
 static int is_bfloat16(PyObject *obj) {
     int match = 0;
-    PyObject *dtype = PyObject_GetAttrString(obj, "dtype");
+    PyObject *dtype = PyObject_GetAttr(obj, str_dtype);
     if (dtype != NULL) {
-        PyObject *name = PyObject_GetAttrString(dtype, "name");
-        if (name != NULL && PyUnicode_Check(name))
-            match = PyUnicode_CompareWithASCIIString(name, "bfloat16") == 0;
+        PyObject *name = PyObject_GetAttr(dtype, str_name);
+        match = name != NULL && PyUnicode_Check(name) &&
+                PyUnicode_CompareWithASCIIString(name, "bfloat16") == 0;
         Py_XDECREF(name);
+        if (match) {
+            Py_XDECREF(bf16_dtype);
+            bf16_dtype = Py_NewRef(dtype);
+        }
         Py_DECREF(dtype);
     }
     PyErr_Clear();
@@ -84,9 +105,14 @@ static void prefix_error(const char *func, const char *what, Py_ssize_t index, i
 static int get_array(PyObject *obj, int writable, array_view *out, const char *func,
                      const char *what, Py_ssize_t index) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, &out->view, flags | PyBUF_FORMAT) == 0) {
-        out->kind = kind_of_format(out->view.format);
-    } else {
+    int bf16 = bf16_dtype != NULL && has_dtype(obj, bf16_dtype);
+    if (!bf16) {
+        if (PyObject_GetBuffer(obj, &out->view, flags | PyBUF_FORMAT) == 0) {
+            out->kind = kind_of_format(out->view.format);
+            out->count = out->view.itemsize > 0 ? out->view.len / out->view.itemsize : 0;
+            return 0;
+        }
+        /* bfloat16 arrays refuse to name a format */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         if (!is_bfloat16(obj)) {
@@ -97,13 +123,13 @@ static int get_array(PyObject *obj, int writable, array_view *out, const char *f
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);
-        if (PyObject_GetBuffer(obj, &out->view, flags) != 0) {
-            prefix_error(func, what, index, writable);
-            return -1;
-        }
-        out->kind = HH_BF16;
     }
-    out->count = out->view.itemsize > 0 ? out->view.len / out->view.itemsize : 0;
+    if (PyObject_GetBuffer(obj, &out->view, flags) != 0) {
+        prefix_error(func, what, index, writable);
+        return -1;
+    }
+    out->kind = HH_BF16;
+    out->count = out->view.len / 2;
     return 0;
 }
 
@@ -123,8 +149,9 @@ static PyObject *copy_parts(PyObject *parts_obj, PyObject *flat_obj, double fact
     const char *func = packing ? "pack" : "unpack";
     const char *parts_name = packing ? "arrays" : "outputs";
     const char *flat_name = packing ? "out" : "buf";
-    PyObject *parts = PySequence_Fast(parts_obj, packing ? "pack: arrays must be a sequence of arrays"
-                                                         : "unpack: outputs must be a sequence of arrays");
+    PyObject *parts = PySequence_Fast(parts_obj,
+                                      packing ? "pack: arrays must be a sequence of arrays"
+                                              : "unpack: outputs must be a sequence of arrays");
     if (parts == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(parts);
@@ -142,7 +169,8 @@ static PyObject *copy_parts(PyObject *parts_obj, PyObject *flat_obj, double fact
     int scaled = factor != 1.0;
     for (; got < n; got++) {
         array_view *v = &views[got];
-        if (get_array(PySequence_Fast_GET_ITEM(parts, got), !packing, v, func, parts_name, got) != 0)
+        PyObject *part = PySequence_Fast_GET_ITEM(parts, got);
+        if (get_array(part, !packing, v, func, parts_name, got) != 0)
             goto done;
         hh_kind src = packing ? v->kind : flat.kind, dst = packing ? flat.kind : v->kind;
         int compatible = hh_convert_supported(src, dst, scaled) &&
@@ -272,8 +300,9 @@ static PyObject *py_has_half_sum(PyObject *self, PyObject *unused) {
 }
 
 /* MPI_Op is an int (MPICH) or a pointer (Open MPI); mpi4py's handle is that value as an int. */
-#define HH_HANDLE_TO_PY(h) \
-    _Generic((h), int: PyLong_FromLong((long)(intptr_t)(h)), default: PyLong_FromVoidPtr((void *)(h)))
+#define HH_HANDLE_TO_PY(h)                                    \
+    _Generic((h), int: PyLong_FromLong((long)(intptr_t)(h)), \
+             default: PyLong_FromVoidPtr((void *)(intptr_t)(h)))
 
 PyDoc_STRVAR(half_sum_op_doc,
 "half_sum_op(dtype) -> int\n\n"
@@ -366,5 +395,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     hh_kernels_init();
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_name = PyUnicode_InternFromString("name");
+    if (str_dtype == NULL || str_name == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -124,6 +124,16 @@ def _complete_topology(topo, comm):
     )
 
 
+def _start_mpi(MPI) -> None:
+    """Initialize MPI if mpi4py was imported with ``mpi4py.rc.initialize = False`` (by a tool
+    that only queried the library, or by the user), as Horovod does; then finalize it at exit,
+    which mpi4py will not do for an MPI it did not start."""
+    if MPI.Is_initialized():
+        return
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+
+
 def _mpi_backend(topo, comm):
     try:
         from mpi4py import MPI
@@ -135,6 +145,7 @@ def _mpi_backend(topo, comm):
         ) from None
     from ..backends.mpi import MpiBackend
 
+    _start_mpi(MPI)
     if comm is None:
         world = MPI.COMM_WORLD
         if topo.launcher != topology_mod.SINGLE and world.Get_size() != topo.size:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ def _number(env: Mapping[str, str], name: str, default: float, kind=float):
         parsed = kind(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+    if not math.isfinite(parsed):
+        raise ValueError(f"{name}={value!r} must be a finite number")
     if parsed < 0:
         raise ValueError(f"{name}={value!r} must not be negative")
     return parsed

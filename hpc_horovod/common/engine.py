@@ -115,9 +115,10 @@ class Engine:
         """Hand requests to the engine; returns their handles. Raises on duplicate names."""
         with self._cond:
             self._raise_if_stopped()
+            keys = set()
             for req in requests:
                 key = (req.process_set_id, req.name)
-                if key in self._inflight:
+                if key in self._inflight or key in keys:
                     raise ValueError(
                         "Requested to allreduce, allgather, or broadcast a tensor with the same "
                         "name as another tensor that is currently being processed.  If you want "
@@ -125,6 +126,7 @@ class Engine:
                     )
                 if req.process_set_id not in self._members:
                     raise ValueError(f"process set {req.process_set_id} does not exist")
+                keys.add(key)
             for req in requests:
                 self._inflight[(req.process_set_id, req.name)] = req
                 req.handle = self._next_handle
@@ -288,7 +290,6 @@ class Engine:
                         f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.settings.stall_shutdown_time_s:g}."
                     )
                 if backend.rank == 0:
-                    log.warning(text)
                     print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
         if or_all & FLAG_SHUTDOWN:
             stopping = [(ps.ranks[r], g[2]) for r, g in enumerate(gathered) if g[2] is not None]
@@ -369,13 +370,15 @@ class Engine:
                     fn()
             else:
                 fn()
-        except HorovodInternalError:
-            raise
         except Exception as exc:
             # Validated inputs make local failures impossible; what is left is the backend
             # failing, after which the communicator cannot be trusted: stop everywhere.
-            raise HorovodInternalError(f"{activity.lower()} failed: {type(exc).__name__}: "
-                                       f"{exc}") from exc
+            error = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
+                f"{activity.lower()} failed: {type(exc).__name__}: {exc}")
+            for _, req in group:
+                if req is not None:
+                    self._complete(req, error=error)
+            raise error from exc
         for _, req in group:
             if req is not None:
                 if tl is not None:

@@ -105,26 +105,37 @@ def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> N
         return
     sizes = [math.prod(s.shape) for s, _ in group]
     buf = pool.empty((sum(sizes),), wire)
-    # One C-level copy for the whole group, then one scaling pass: cheaper than a numpy call
-    # per tensor once there are more than a handful of them.
-    np.concatenate([req.tensor.reshape(-1) if req is not None else np.zeros(n, wire)
-                    for (_, req), n in zip(group, sizes)], out=buf, casting="unsafe")
-    _scale_inplace(buf, pre)
+    parts = [req.tensor.reshape(-1) if req is not None else np.zeros(n, dtype)
+             for (_, req), n in zip(group, sizes)]
+    # One call packs the whole group, scaling and widening on the way.
+    if _native is not None and (pre == 1.0 or dtype.kind == "f"):
+        _native.pack(parts, buf, pre)
+    else:
+        np.concatenate(parts, out=buf, casting="unsafe")
+        _scale_inplace(buf, pre)
     backend.allreduce(buf, op)
     _scale_inplace(buf, post)
-    offset = 0
+    if wire == dtype and all(req is None or req.output is None for _, req in group):
+        offset = 0
+        for (s, req), n in zip(group, sizes):
+            if req is not None:
+                req.result = buf[offset:offset + n].reshape(s.shape)
+            offset += n
+        return
+    outputs = []
     for (s, req), n in zip(group, sizes):
-        seg = buf[offset:offset + n]
-        offset += n
         if req is None:
-            continue
-        if req.output is not None:
-            req.output.reshape(-1)[...] = seg
-            req.result = req.output
-        elif wire != dtype:
-            req.result = seg.astype(dtype).reshape(s.shape)
+            outputs.append(np.empty(n, dtype))  # a joined rank's share: discarded
         else:
-            req.result = seg.reshape(s.shape)
+            req.result = req.output if req.output is not None else np.empty(s.shape, dtype)
+            outputs.append(req.result.reshape(-1))
+    if _native is not None:
+        _native.unpack(buf, outputs, 1.0)
+    else:
+        offset = 0
+        for out, n in zip(outputs, sizes):
+            out[...] = buf[offset:offset + n]
+            offset += n
 
 
 def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None:

@@ -162,8 +162,11 @@ def broadcast(tensor, root_rank: int, name=None, process_set=global_process_set)
 
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name=None,
                      process_set=global_process_set) -> int:
-    if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
-        raise ValueError("in-place broadcast needs a C-contiguous numpy array")
+    """In-place broadcast of a writable C-contiguous array (checked here, on every rank: a
+    read-only array would otherwise only fail inside the engine, on the receiving ranks)."""
+    if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
+            not tensor.flags.writeable:
+        raise ValueError("in-place broadcast needs a writable C-contiguous numpy array")
     return submit([broadcast_request(tensor, root_rank, name=name, process_set=process_set,
                                      output=tensor)])[0]
 

@@ -85,6 +85,9 @@ def mismatch_message(a: Signature, b: Signature) -> str | None:
         return (f"Mismatched operations: One rank did an {kind_a}, but another rank did an "
                 f"{kind_b}.")
     if a.shape != b.shape:
+        if a.kind == "process_set_add":  # the "shape" of this request is the set's ranks
+            return (f"Mismatched process sets: One rank added a process set of ranks "
+                    f"{list(a.shape)}, but another rank added ranks {list(b.shape)}.")
         if len(a.shape) != len(b.shape):
             return (f"Mismatched {kind_a} tensor shapes: One rank sent a tensor of rank "
                     f"{len(a.shape)}, but another rank sent a tensor of rank {len(b.shape)}.")

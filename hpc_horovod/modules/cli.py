@@ -6,13 +6,16 @@ import argparse
 import sys
 
 from .clusters import known_clusters
-from .modulefile import MODULE_NAME, install_modulefile, render_modulefile
-from .spec import DEFAULT_SETENV, ModuleSpec, parse_setenv
+from .modulefile import install_modulefile, render_modulefile
+from .spec import DEFAULT_SETENV, MODULE_NAME, ModuleSpec, parse_setenv
 
 
 def _spec(args) -> ModuleSpec:
+    depends_on = None if args.depends_on is None else [
+        name for name in args.depends_on.split(",") if name]
     return ModuleSpec.for_environment(args.python_env, cluster=args.cluster,
-                                      version=args.version, setenv=parse_setenv(args.setenv))
+                                      version=args.version, depends_on=depends_on,
+                                      setenv=parse_setenv(args.setenv))
 
 
 def _render(args) -> int:
@@ -32,6 +35,9 @@ def _add_spec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="generic", choices=known_clusters(),
                         help="cluster profile whose modules (CUDA, NCCL, MPI, Python) are "
                              "loaded with this one (default: generic, none)")
+    parser.add_argument("--depends-on", metavar="MOD,MOD",
+                        help="comma-separated modules to load with this one, instead of the "
+                             "cluster's (site names: see `module avail`; '' for none)")
     parser.add_argument("--python-env", metavar="PATH",
                         help="prefix of the venv or conda env holding hpc_horovod "
                              f"(default: this one, {sys.prefix})")

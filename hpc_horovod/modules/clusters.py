@@ -1,20 +1,22 @@
 """The modules a cluster's hpc_horovod module depends on (CUDA, NCCL, MPI, Python).
 
 A module that ``depends_on`` these loads them with itself and unloads them with itself, so a
-user types one ``module load horovod`` on every cluster. Names follow each site's module tree.
+user types one ``module load horovod`` on every cluster, and the job scripts of
+``hpc-horovod sbatch`` (whose cluster profiles load ``horovod``) need nothing else. Cluster names
+are those of ``hpc_horovod/slurm/profiles``. Module names and versions change with each site's
+software stack: check ``module avail`` and pass ``--depends-on`` to override them.
 """
 
 from __future__ import annotations
 
 #: cluster name -> modules loaded with hpc_horovod, in load order
 CLUSTER_MODULES: dict[str, tuple[str, ...]] = {
-    # No dependency: MPI, CUDA and Python come from the system or the Python environment.
+    # MPI, CUDA and Python come from the system or the Python environment itself.
     "generic": (),
-    # IDRIS Jean Zay (V100/A100 partitions).
+    # IDRIS Jean Zay: CUDA-aware builds carry a -cuda suffix.
     "jean-zay": ("cuda/12.1.0", "nccl/2.18.5-1-cuda", "openmpi/4.1.5-cuda", "python/3.11.5"),
-    # A GPU cluster with the common EasyBuild names of its toolchain.
-    "easybuild-gpu": ("CUDA/12.1.1", "NCCL/2.18.3-GCCcore-12.3.0-CUDA-12.1.1",
-                      "OpenMPI/4.1.5-GCC-12.3.0", "Python/3.11.3-GCCcore-12.3.0"),
+    # Brown CCV Oscar: the site's default versions.
+    "oscar": ("cuda", "nccl", "openmpi", "python"),
 }
 
 

@@ -8,14 +8,10 @@ from pathlib import Path
 
 import jinja2
 
-from .spec import ModuleSpec, check_safe
+from .spec import CONFLICTS, MODULE_NAME, ModuleSpec, check_safe
 
-#: the name users type: ``module load horovod``
-MODULE_NAME = "horovod"
 DESCRIPTION = "Horovod-style data-parallel training for PyTorch and TensorFlow on SLURM clusters"
 URL = "https://github.com/hpc-horovod/hpc_horovod"
-#: names Horovod itself is installed under by Spack and EasyBuild
-CONFLICTS = ("py-horovod", "Horovod")
 
 
 def _lua_string(value) -> str:

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from ..version import __version__
-from .modulefile import MODULE_NAME, render_modulefile
-from .spec import ModuleSpec
+from .modulefile import render_modulefile
+from .spec import MODULE_NAME, ModuleSpec
 
 REFERENCE_ENV = Path("/opt/hpc_horovod") / __version__
 

@@ -34,6 +34,11 @@ _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]*")
 _MODULE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*(/[A-Za-z0-9._+-]+)*")
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
+#: the name users type: ``module load horovod``
+MODULE_NAME = "horovod"
+#: names Horovod itself is installed under by Spack and EasyBuild
+CONFLICTS = ("py-horovod", "Horovod")
+
 #: HOROVOD_* variables the module sets by default; a value exported before loading wins
 DEFAULT_SETENV: dict[str, str] = {
     "HOROVOD_CYCLE_TIME": f"{Settings.cycle_time_ms:g}",
@@ -108,6 +113,8 @@ class ModuleSpec:
         for module in self.depends_on:
             if not _MODULE_NAME.fullmatch(check_safe("module name", module)):
                 raise ValueError(f"module name {module!r} must look like name/version")
+            if module.split("/")[0] in (MODULE_NAME, *CONFLICTS):
+                raise ValueError(f"{MODULE_NAME} cannot depend on {module!r}, another Horovod")
         for name, value in self.setenv.items():
             if not _ENV_NAME.fullmatch(name):
                 raise ValueError(f"--setenv name {name!r} must be an upper-case variable "
@@ -122,11 +129,13 @@ class ModuleSpec:
     @classmethod
     def for_environment(cls, python_env: str | Path | None = None, *,
                         cluster: str = "generic", version: str | None = None,
+                        depends_on: Iterable[str] | None = None,
                         setenv: Mapping[str, str] | None = None) -> ModuleSpec:
         """The module for ``python_env`` (default: the running interpreter's environment).
 
         The package being run goes on PYTHONPATH only when it lives outside that environment
-        (a source checkout); ``setenv`` overrides or extends the HOROVOD_* defaults.
+        (a source checkout); ``depends_on`` replaces the cluster's modules; ``setenv``
+        overrides or extends the HOROVOD_* defaults.
         """
         env = Path(python_env).expanduser().absolute() if python_env else Path(sys.prefix)
         root = package_root()
@@ -135,6 +144,6 @@ class ModuleSpec:
             version=version or __version__,
             pythonpath=None if _inside(root, env) else root,
             cluster=cluster,
-            depends_on=cluster_modules(cluster),
+            depends_on=cluster_modules(cluster) if depends_on is None else tuple(depends_on),
             setenv={**DEFAULT_SETENV, **(setenv or {})},
         )

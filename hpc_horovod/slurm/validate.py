@@ -32,7 +32,7 @@ def parse_time(text: str) -> int:
     days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total == 0:
-        raise ValueError("--time must be longer than 00:00:00")
+        raise ValueError("--time 00:00:00 is empty: write a positive HH:MM:SS")
     return total
 
 

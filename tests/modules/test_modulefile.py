@@ -62,6 +62,23 @@ def test_cluster_modules_become_depends_on_in_order(cluster):
     assert lines == [f'depends_on("{m}")' for m in cluster_modules(cluster)]
 
 
+def test_clusters_are_those_of_the_slurm_profiles():
+    from hpc_horovod.slurm.profiles import load_profiles
+
+    assert set(known_clusters()) <= set(load_profiles({"HPC_HOROVOD_CLUSTERS": "/nonexistent"}))
+
+
+def test_depends_on_replaces_the_cluster_modules():
+    spec = ModuleSpec.for_environment("/opt/env", cluster="jean-zay",
+                                      depends_on=["cuda/12.4", "openmpi/5.0"])
+    assert spec.depends_on == ("cuda/12.4", "openmpi/5.0")
+    none = ModuleSpec.for_environment("/opt/env", cluster="jean-zay", depends_on=[])
+    assert none.depends_on == ()
+    for other in ("horovod", "horovod/0.1", "py-horovod/0.28.1"):
+        with pytest.raises(ValueError, match="cannot depend on .*another Horovod"):
+            ModuleSpec.for_environment("/opt/env", depends_on=[other])
+
+
 def test_unknown_cluster_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown cluster 'nowhere': choose one of .*generic"):
         ModuleSpec.for_environment("/opt/env", cluster="nowhere")
@@ -139,6 +156,11 @@ def test_cli_install_and_render(tmp_path, capsys):
     assert cli.main(["module", "render", "--python-env", str(env), "--version", "9.9",
                      "--setenv", "HOROVOD_CYCLE_TIME=2"]) == 0
     assert capsys.readouterr().out == installed
+    assert cli.main(["module", "render", "--cluster", "jean-zay", "--depends-on",
+                     "cuda/12.4,openmpi/5.0"]) == 0
+    rendered = capsys.readouterr().out
+    assert 'depends_on("cuda/12.4")\ndepends_on("openmpi/5.0")\n' in rendered
+    assert rendered.count("depends_on(") == 2
 
 
 def test_cli_rejects_unsafe_path_with_clear_error(tmp_path, capsys):

@@ -8,6 +8,10 @@
   every rank fails with the stall message.
 * ``kill``: the last rank SIGKILLs itself in the middle of allreduces; the launcher must end the
   job (the test checks its message).
+* ``early_exit``: rank 0 shuts down while the others still submit: their ops fail naming it.
+* ``local_failure``: the backend fails on the last rank only (a read-only output buffer slipped
+  past validation through the low-level ``submit``); its handle must complete with an error, and
+  the others must not wait longer than HOROVOD_PEER_TIMEOUT_SECONDS.
 """
 
 from __future__ import annotations
@@ -75,6 +79,39 @@ elif scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         hvd.synchronize(handle)
     raise AssertionError("1000 allreduces completed although a rank was killed")
+
+elif scenario == "early_exit":
+    if RANK == 0:
+        hvd.shutdown()
+    else:
+        time.sleep(0.3)
+        try:
+            hvd.allreduce(np.ones(2), name="after.rank0.left")
+        except hvd.HorovodInternalError as exc:
+            say(f"failed with: {exc}")
+        else:
+            raise AssertionError("an allreduce completed without rank 0")
+
+elif scenario == "local_failure":
+    from hpc_horovod.common import ops
+
+    buf = np.zeros(4)
+    if RANK == LAST:
+        buf.flags.writeable = False  # the receiving side cannot write its result
+    (handle,) = ops.submit([ops.broadcast_request(buf, 0, name="bad.buffer", output=buf)])
+    deadline = time.monotonic() + 4
+    while not hvd.poll(handle):
+        if time.monotonic() > deadline:
+            say("handle never completed")
+            os._exit(3)
+        time.sleep(0.01)
+    try:
+        hvd.synchronize(handle)
+        hvd.allreduce(np.ones(1), name="next")  # the peer that failed never answers
+    except hvd.HorovodInternalError as exc:
+        say(f"failed with: {exc}")
+    else:
+        raise AssertionError(f"rank {RANK} saw no failure")
 
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")

@@ -96,6 +96,17 @@ def check_mismatch_inside_a_set():
 
 
 def check_dynamic_sets():
+    if SIZE > 2:  # every rank must add the same set (with 2 ranks, [0, 1] is the only new one)
+        try:
+            hvd.add_process_set([0, 1] if RANK == 0 else [1, 2])
+        except hvd.HorovodInternalError as exc:
+            message = str(exc)
+            assert message.startswith("Mismatched process sets: One rank added a process set "
+                                      "of ranks [0, 1], but another rank added ranks [1, 2]."), \
+                message
+            assert hvd.allgather_object(message) == [message] * SIZE
+        else:
+            raise AssertionError("ranks added different process sets without an error")
     first_two = hvd.add_process_set([0, 1])
     assert first_two.process_set_id not in (0, even.process_set_id, odd.process_set_id)
     tail = hvd.add_process_set(hvd.ProcessSet(range(1, SIZE))) if SIZE > 2 else None
@@ -137,8 +148,33 @@ def check_reinit_with_sets():
     assert got.tolist() == [len(mine.ranks)] * 2
 
 
+def check_init_with_a_communicator():
+    """``init(comm=...)``: an mpi4py communicator, or a list of world ranks, is the job."""
+    from mpi4py import MPI
+
+    hvd.shutdown()
+    halves = MPI.COMM_WORLD.Split(color=RANK % 2, key=RANK)
+    hvd.init(comm=halves)
+    assert (hvd.rank(), hvd.size()) == (halves.Get_rank(), halves.Get_size())
+    assert hvd.local_size() == hvd.size() and hvd.cross_size() == 1
+    got = hvd.allreduce(np.array([RANK]), op=hvd.Sum)
+    assert got.tolist() == [sum(r for r in range(SIZE) if r % 2 == RANK % 2)]
+    hvd.shutdown()
+    halves.Free()
+    try:
+        hvd.init(comm=[0, 1])
+    except ValueError as exc:
+        assert RANK > 1 and "this rank is not in the ranks [0, 1] given to init()" in str(exc)
+    else:
+        assert RANK in (0, 1) and hvd.size() == 2
+        assert hvd.allgather(np.array([RANK])).tolist() == [0, 1]
+        hvd.shutdown()
+    hvd.init(process_sets=[even, odd])
+    assert hvd.size() == SIZE
+
+
 for check in [check_static_sets, check_subset_while_others_idle, check_mismatch_inside_a_set,
-              check_dynamic_sets, check_reinit_with_sets]:
+              check_dynamic_sets, check_reinit_with_sets, check_init_with_a_communicator]:
     check()
     print(f"rank {RANK}: {check.__name__} ok", flush=True)
 hvd.shutdown()

@@ -16,7 +16,7 @@ assert os.environ["HOROVOD_TIMELINE"] == static_path
 
 hvd.init()
 RANK = hvd.rank()
-for step in range(3):
+for _ in range(3):
     hvd.allreduce(np.ones(16, np.float32), name="grad.w")
     hvd.allreduce(np.ones(4, np.float32), name="grad.b")
 hvd.allgather(np.ones((RANK + 1, 2)), name="gathered")

@@ -5,8 +5,9 @@ with its own ``slurm.conf`` (clients find it through ``SLURM_CONF``), its own mu
 (``AuthInfo=socket=...``), non-default ports picked free at start, and pid files through which only
 the daemons started here are stopped. Both nodes run on this host: they share its hostname, so a
 TaskProlog makes Open MPI use TCP between ranks (its shared-memory transport keys on the hostname).
-Each node advertises two fake GPUs: regular files standing in for ``/dev/nvidia*`` (there is no
-GPU here; the nodes are character devices with /dev/null's numbers), so that SLURM's own ``--gres=gpu`` bookkeeping and ``CUDA_VISIBLE_DEVICES`` are real.
+Each node advertises two fake GPUs, device files standing in for ``/dev/nvidia*`` (there is no
+GPU here; they carry /dev/null's device numbers), so that SLURM's own ``--gres=gpu`` bookkeeping
+and the ``CUDA_VISIBLE_DEVICES`` it sets are real.
 
 The fixture skips the tests, with the reason, only when the SLURM or munge binaries are missing.
 """
@@ -102,34 +103,61 @@ class SlurmCluster:
                             f"{state}\n{self.logs()}")
             time.sleep(0.3)
 
+    def node_states(self) -> dict[str, str]:
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=True).stdout.split()
+        return dict(zip(out[::2], out[1::2], strict=False))
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until every node is idle: a job that just ended may still be completing on them."""
+        deadline = time.monotonic() + timeout
+        while (states := self.node_states()) and any(s != "idle" for s in states.values()):
+            if time.monotonic() > deadline:
+                pytest.fail(f"nodes not idle after {timeout} s: {states}\n{self.logs()}")
+            time.sleep(0.2)
+
     def logs(self) -> str:
         parts = []
         for log in sorted(self.root.glob("log/*.log")):
             parts.append(f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
         return "\n".join(parts)
 
+    def submit_and_wait(self, script: Path, timeout: float = 60) -> tuple[int, dict[str, str]]:
+        """``sbatch`` a job script from its directory, wait for the job to end; return its exit
+        status and final ``scontrol`` record.
+
+        The same as ``sbatch --wait``, with a short poll instead of its back-off (up to 10 s).
+        """
+        proc = self.run(["sbatch", "--parsable", str(script)], cwd=script.parent, check=True)
+        record = self.wait_job(proc.stdout.strip().split(";")[0], timeout)
+        return int(record["ExitCode"].split(":")[0]), record
+
     def stop(self) -> None:
-        """Stop the daemons started here (by pid file), slurmd first, munged last."""
-        for name in sorted(self.pids, key=lambda n: ("slurmd" not in n, n == "munged")):
+        """Stop the daemons started here, by pid file: SIGTERM all, SIGKILL what outlives 10 s."""
+        pids = []
+        for path in self.pids.values():
             try:
-                pid = int(self.pids[name].read_text().split()[0])
+                pid = int(path.read_text().split()[0])
+                os.kill(pid, signal.SIGTERM)
             except (OSError, ValueError, IndexError):
                 continue
+            pids.append(pid)
+        deadline = time.monotonic() + 10
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if _alive(pid)]
+            time.sleep(0.05)
+        for pid in pids:
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                continue
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
-            else:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _write_config(root: Path, host: str) -> Path:

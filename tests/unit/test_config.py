@@ -89,9 +89,6 @@ def test_bad_numbers_are_value_errors_naming_the_variable(name, value, fragment)
     assert f"{name}={value!r}" in str(info.value) and fragment in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="config._number accepts nan/inf; an infinite "
-                   "HOROVOD_CYCLE_TIME crashes the engine thread (OverflowError) and nan makes "
-                   "it spin; fix pending in config.py")
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_non_finite_cycle_time_is_a_value_error(value):
     with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME"):

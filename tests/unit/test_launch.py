@@ -100,8 +100,6 @@ def test_hostfile(tmp_path):
     assert "--oversubscribe" not in cmd
 
 
-@pytest.mark.xfail(strict=True, reason="launch._hosts crashes with \"invalid literal for int()\" "
-                   "on Open MPI's `max_slots=` hostfile keyword; fix pending in launch.py")
 def test_hostfile_with_max_slots(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=2 max_slots=4\n")
@@ -174,9 +172,6 @@ def test_cli_reports_errors_without_a_traceback(capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.xfail(strict=True, reason="run's positional `command` shares its dest with the "
-                   "sub-command name, so cli.main prints \"hpc-horovod ['python', 'x.py']: "
-                   "error: ...\"; fix pending in cli.py/launch.py")
 def test_cli_error_names_the_sub_command(capsys):
     cli.main(["run", "-np", "0", "python", "x.py"])
     assert capsys.readouterr().err.startswith("hpc-horovod run: error: -np must be at least 1")

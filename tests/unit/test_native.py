@@ -184,6 +184,8 @@ def read_only(a: np.ndarray) -> np.ndarray:
      "buf holds 3 elements but the outputs hold 4"),
     (lambda: _native.pack([np.ones((4, 4), F32)[:, 0]], np.empty(4, F32)), ValueError,
      "arrays[0] must be a C-contiguous array"),
+    (lambda: _native.pack([np.ones((4, 4), BF16)[:, 0]], np.empty(4, BF16)), ValueError,
+     "arrays[0] must be a C-contiguous array"),
     (lambda: _native.pack([np.ones(4, F32)], np.ones(4, F32)[::2]), ValueError,
      "out must be a writable C-contiguous array"),
     (lambda: _native.unpack(np.ones(4, F32), [read_only(np.ones(4, F32))]), ValueError,

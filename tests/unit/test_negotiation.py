@@ -276,6 +276,12 @@ def test_mismatch_messages_are_horovods(a, b, text):
     assert mismatch_message(a, b) == text
 
 
+def test_process_sets_added_with_different_ranks():
+    a, b = sig("process_set_add", "", (0, 1), 0), sig("process_set_add", "", (0, 2), 0)
+    assert mismatch_message(a, b) == ("Mismatched process sets: One rank added a process set of "
+                                      "ranks [0, 1], but another rank added ranks [0, 2].")
+
+
 def test_allgather_and_alltoall_first_dimensions_may_differ():
     for kind in ("allgather", "alltoall"):
         a = signature_of(kind, np.zeros((2, 3), np.float32))

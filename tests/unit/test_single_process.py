@@ -285,9 +285,6 @@ def test_duplicate_name_in_flight_is_a_value_error(single):
     single.synchronize(single.allreduce_async(np.ones(2), name="grad"))
 
 
-@pytest.mark.xfail(strict=True, reason="engine.enqueue checks names only against earlier "
-                   "submissions, not within one batch: the first request is then never "
-                   "completed (synchronize hangs); fix pending in engine.py")
 def test_duplicate_name_within_one_submission_is_a_value_error(single):
     with pytest.raises(ValueError, match="same name"):
         ops.submit([ops.allreduce_request(np.ones(2), name="x"),
@@ -337,6 +334,10 @@ def test_broadcast_in_place(single):
     assert single.broadcast_(x, 0) is x
     with pytest.raises(ValueError, match="C-contiguous"):
         single.broadcast_(np.arange(8.0)[::2], 0)
+    read_only = np.ones(3)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="needs a writable C-contiguous numpy array"):
+        single.broadcast_(read_only, 0)
 
 
 @pytest.mark.parametrize("root", [1, -1])

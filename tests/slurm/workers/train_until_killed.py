@@ -15,7 +15,7 @@ import hpc_horovod as hvd
 
 hvd.init()
 killed = int(sys.argv[1])
-for step in range(3000):
+for step in range(6000):
     if step == 3 and hvd.rank() == killed:
         print(f"rank {hvd.rank()}: SIGKILL at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

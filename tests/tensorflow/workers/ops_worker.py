@@ -148,7 +148,7 @@ def check_queries_barrier_join():
     tf.function(lambda: (hvd.barrier(), None)[1])()
     # Rank 0 joins at once; rank 1 still reduces: rank 0 contributes zeros to its Sum.
     if RANK == 1:
-        assert_close(hvd.allreduce(tf.constant([5.0]), op=hvd.Sum), [5.0])
+        assert_close(hvd.allreduce(tf.constant([5.0]), op=hvd.Sum, name="alone"), [5.0])
     assert int(hvd.join()) == 1
     assert int(tf.function(hvd.join)()) in (0, 1)
 

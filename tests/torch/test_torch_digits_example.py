@@ -1,0 +1,47 @@
+"""examples/pytorch_digits.py as a user runs it: ``hpc-horovod run -np 2``, then a resume from
+its checkpoint."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, mpi_env
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+pytestmark = pytest.mark.mpi
+EPOCH = re.compile(r"epoch (\d+)/(\d+): train loss [\d.]+  val accuracy ([\d.]+) \((\d+) samples\)")
+
+
+def run_example(*args: str) -> str:
+    cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", "2", sys.executable,
+           str(ROOT / "examples" / "pytorch_digits.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=mpi_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def epochs(stdout: str) -> list[tuple[int, float]]:
+    found = [(int(m.group(1)), float(m.group(3))) for m in EPOCH.finditer(stdout)]
+    assert all(int(m.group(4)) == 360 for m in EPOCH.finditer(stdout)), stdout  # whole val set
+    return found
+
+
+def test_digits_trains_to_090_and_resumes_from_its_checkpoint(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    first = run_example("--epochs", "4", "--checkpoint-dir", str(ckpt), "--no-resume")
+    assert [e for e, _ in epochs(first)] == [1, 2, 3, 4], first
+    assert "[1,1]<stdout>:epoch" not in first, "only rank 0 prints"
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"checkpoint-000{e}.pt" for e in (1, 2, 3, 4)]
+
+    second = run_example("--epochs", "5", "--checkpoint-dir", str(ckpt))
+    assert f"resuming from {ckpt / 'checkpoint-0004.pt'} (epoch 4" in second, second
+    resumed = epochs(second)
+    assert [e for e, _ in resumed] == [5], second
+    # Epoch 5 continues from trained weights: one epoch from scratch stays far below this.
+    assert resumed[-1][1] >= 0.9, second

@@ -57,7 +57,7 @@ def report() -> str:
     def box(ok) -> str:
         return "[X]" if ok else "[ ]"
 
-    nccl_text = "NCCL (%d.%d.%d)" % nccl_version_tuple(nccl) if nccl else "NCCL"
+    nccl_text = "NCCL ({}.{}.{})".format(*nccl_version_tuple(nccl)) if nccl else "NCCL"
     lines = [
         f"hpc_horovod v{__version__}:",
         "",

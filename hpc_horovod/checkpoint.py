@@ -28,7 +28,8 @@ def checkpoint_path(directory: str, step: int, prefix: str = "checkpoint") -> st
 
 
 def save_checkpoint(write: Callable[[BinaryIO], object], directory: str, step: int,
-                    prefix: str = "checkpoint", keep: int = 3, rank: int | None = None) -> str | None:
+                    prefix: str = "checkpoint", keep: int = 3,
+                    rank: int | None = None) -> str | None:
     """Write a checkpoint atomically on rank 0; return its path (None on other ranks).
 
     ``keep`` newest checkpoints are kept, older ones removed after the new one is complete.

@@ -88,7 +88,7 @@ def build_command(args, env=None) -> list[str]:
     if flavour == "openmpi":
         local_slots = sum(s for _, s in hosts) if hosts else (os.cpu_count() or 1)
         cmd += ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
-        if args.np > local_slots or not hosts:
+        if args.np > local_slots:
             cmd.append("--oversubscribe")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")

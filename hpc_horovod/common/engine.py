@@ -270,7 +270,7 @@ class Engine:
         mine = [(name, req.signature) for name, req in ps.pending.items()]
         gathered = backend.allgather_object((mine, ps.join_request is not None, shutdown_reason))
         joined = {r for r, g in enumerate(gathered) if g[1]}
-        agreement = match([g[0] for g in gathered], joined)
+        agreement = match([g[0] for g in gathered], joined, ps.ranks)
         for name, sig in agreement.ready:
             cache.put(name, sig)
             responses.append((sig, ps.pending.pop(name, None)))

@@ -60,7 +60,8 @@ pool = BufferPool()
 def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
     """(factor applied while packing, factor applied after the reduction)."""
     average = 1.0 / size if sig.op == Average else 1.0
-    is_float = np.dtype(sig.dtype).kind == "f"
+    dtype = np.dtype(sig.dtype)
+    is_float = dtype.kind == "f" or dtype in HALF_DTYPES
     if sig.op in (Sum, Average) and is_float:
         return sig.prescale * sig.postscale * average, 1.0
     return sig.prescale, sig.postscale * average

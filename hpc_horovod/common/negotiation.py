@@ -116,16 +116,20 @@ class Agreement:
 
     ready: list[tuple[str, Signature]]  # in execution order
     errors: list[tuple[str, str]]  # (name, message)
-    waiting: dict[str, list[int]]  # name -> ranks that have not submitted it
+    waiting: dict[str, list[int]]  # name -> global ranks that have not submitted it
 
 
-def match(gathered: list[list[tuple[str, Signature]]], joined: set[int]) -> Agreement:
+def match(gathered: list[list[tuple[str, Signature]]], joined: set[int],
+          members: list[int] | None = None) -> Agreement:
     """Decide from every rank's pending list which names are ready and which disagree.
 
     A name is ready when every rank either submitted it or has joined. Order of execution is the
     order of first appearance scanning ranks in order, so it is identical on every rank.
+    ``gathered`` is indexed by rank inside the process set; ``members`` maps those positions
+    to global ranks, which is what messages (and ``Agreement.waiting``) name.
     """
     size = len(gathered)
+    members = list(range(size)) if members is None else members
     table: dict[str, dict[int, Signature]] = {}
     for rank, entries in enumerate(gathered):
         for name, sig in entries:
@@ -134,28 +138,35 @@ def match(gathered: list[list[tuple[str, Signature]]], joined: set[int]) -> Agre
     for name, by_rank in table.items():
         missing = [r for r in range(size) if r not in by_rank and r not in joined]
         if missing:
-            waiting[name] = missing
+            waiting[name] = [members[r] for r in missing]
             continue
         ranks = sorted(by_rank)
         first = by_rank[ranks[0]]
         message = None
         for other in ranks[1:]:
-            message = mismatch_message(first, by_rank[other])
+            message = mismatch_message(_global_root(first, members),
+                                       _global_root(by_rank[other], members))
             if message:
-                message += f" [tensor '{name}': rank {ranks[0]} vs rank {other}]"
+                message += (f" [tensor '{name}': rank {members[ranks[0]]} vs rank "
+                            f"{members[other]}]")
                 break
         if message is None and joined and first.kind not in ("allreduce", "allgather",
                                                              "broadcast", "barrier"):
-            message = (f"{first.kind} is not supported while ranks {sorted(joined)} have "
-                       f"joined [tensor '{name}']")
+            message = (f"{first.kind} is not supported while ranks "
+                       f"{sorted(members[r] for r in joined)} have joined [tensor '{name}']")
         if message is None and first.kind == "broadcast" and first.root in joined:
-            message = (f"the broadcast root rank {first.root} has already joined "
+            message = (f"the broadcast root rank {members[first.root]} has already joined "
                        f"[tensor '{name}']")
         if message:
             errors.append((name, message))
         else:
             ready.append((name, first))
     return Agreement(ready, errors, waiting)
+
+
+def _global_root(sig: Signature, members: list[int]) -> Signature:
+    """Roots travel as positions inside the process set; users know them as global ranks."""
+    return sig._replace(root=members[sig.root]) if 0 <= sig.root < len(members) else sig
 
 
 def stall_message(waiting: dict[str, list[int]], seconds: float) -> str:

@@ -91,9 +91,9 @@ def _choose_qos(node: NodeClass, profile: ClusterProfile, qos: str | None, secon
             elsewhere = [n.name for n in (*profile.partitions.values(),
                                           *profile.constraints.values()) if qos in n.qos]
             hint = f" ({qos} is for {', '.join(elsewhere)})" if elsewhere else ""
-            raise ValueError(f"unknown QoS {qos!r} for {_where(node)}{hint}; valid: "
-                             + ", ".join(f"{q} (max {validate.format_time(profile.qos[q].max_time)})"
-                                         for q in node.qos))
+            valid = ", ".join(f"{q} (max {validate.format_time(profile.qos[q].max_time)})"
+                              for q in node.qos)
+            raise ValueError(f"unknown QoS {qos!r} for {_where(node)}{hint}; valid: {valid}")
         limit = profile.qos[qos].max_time
         if seconds > limit:
             longer = [q for q in node.qos if profile.qos[q].max_time >= seconds]
@@ -151,6 +151,9 @@ def plan_job(
     """Check a job request against its cluster profile and resolve every default."""
     profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
                                                                               profile_env)
+    if isinstance(command, (str, bytes)):
+        raise TypeError(f"command must be a list of arguments, e.g. {command.split()!r}, "
+                        f"not the string {command!r}")
     command = tuple(str(c) for c in command)
     if not command:
         raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import copy
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+
+import tomllib
 
 from . import validate
 

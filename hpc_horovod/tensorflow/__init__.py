@@ -26,8 +26,8 @@ GPU tensors go through host memory for now (``staging``). Keras 3: ``hpc_horovod
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
+from keras.optimizers import Optimizer as KerasOptimizer
 
 from ..common.basics import (
     ProcessSet,
@@ -105,7 +105,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             sparse_as_dense=sparse_as_dense, op=op,
             gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
             groups=groups, process_set=process_set)
-    if isinstance(optimizer, keras.optimizers.Optimizer):
+    if isinstance(optimizer, KerasOptimizer):
         from .keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
 
         return keras_distributed_optimizer(

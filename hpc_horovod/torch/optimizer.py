@@ -154,11 +154,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles[p] = (None, None)
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The gradient to reduce: ``p.grad`` itself when it is dense and contiguous (reduced
+        in place), else a dense contiguous copy (e.g. a channels_last layout)."""
         if p.grad is None:
             # No gradient here (a branch this rank did not use) but maybe on other ranks:
             # contribute zeros so that nobody waits for this name forever.
-            p.grad = torch.zeros_like(p)
-        return p.grad.to_dense() if p.grad.is_sparse and self.sparse_as_dense else p.grad
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        grad = p.grad
+        if grad.is_sparse:
+            return grad.to_dense() if self.sparse_as_dense else grad
+        return grad if grad.is_contiguous() else grad.contiguous()
 
     def _allreduce_grad_async(self, p: torch.Tensor):
         name = self._parameter_names.get(p)
@@ -192,7 +197,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Sparse gradients do not support set_; zero and add is equivalent.
             p.grad.zero_().add_(grad if grad.is_sparse else grad.to_sparse())
         elif grad is not p.grad:
-            p.grad.set_(grad)
+            if p.grad.is_contiguous():
+                p.grad.set_(grad)
+            else:
+                p.grad.copy_(grad)  # keep the layout torch chose for this gradient
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting those whose hook did not fire)."""

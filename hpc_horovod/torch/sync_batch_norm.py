@@ -117,7 +117,7 @@ class _SyncBatchNorm(torch.autograd.Function):
             sums = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xmu]), op=Sum,
                                                name="sync_batch_norm.grad_sums"))
             channels = xc.shape[1]
-            mean_dy = (torch.cat([sum_dy, sum_dy_xmu])[:channels] / ctx.total).view(shape)
+            mean_dy = (sums[:channels] / ctx.total).view(shape)
             mean_dy_xmu = (sums[channels:] / ctx.total).view(shape)
             scale = invstd if weight is None else invstd * weight.to(xc.dtype)
             grad_input = scale.view(shape) * (dy - mean_dy - xmu * invstd.view(shape) ** 2

@@ -8,6 +8,8 @@
   every rank fails with the stall message.
 * ``kill``: the last rank SIGKILLs itself in the middle of allreduces; the launcher must end the
   job (the test checks its message).
+* ``stall_in_set``: in the process set of ranks [1, 2], rank 2 submits late and then with
+  another dtype: the stall warning and the mismatch name global ranks.
 * ``early_exit``: rank 0 shuts down while the others still submit: their ops fail naming it.
 * ``local_failure``: the backend fails on the last rank only (a read-only output buffer slipped
   past validation through the low-level ``submit``); its handle must complete with an error, and
@@ -25,10 +27,11 @@ import numpy as np
 
 import hpc_horovod as hvd
 
-hvd.init()
+scenario = sys.argv[1]
+tail = hvd.ProcessSet([1, 2])
+hvd.init(process_sets=[tail] if scenario == "stall_in_set" else [])
 RANK, SIZE = hvd.rank(), hvd.size()
 LAST = SIZE - 1
-scenario = sys.argv[1]
 
 
 def say(text: str) -> None:
@@ -79,6 +82,19 @@ elif scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         hvd.synchronize(handle)
     raise AssertionError("1000 allreduces completed although a rank was killed")
+
+elif scenario == "stall_in_set":
+    if RANK in tail.ranks:
+        if RANK == 2:
+            time.sleep(2.5)
+        got = hvd.allreduce(np.ones(1), op=hvd.Sum, process_set=tail, name="set.late")
+        assert got.tolist() == [2.0]
+        try:
+            hvd.allreduce(np.ones(1, np.float32 if RANK == 1 else np.float64), process_set=tail,
+                          name="set.bad")
+        except hvd.HorovodInternalError as exc:
+            say(f"failed with: {exc}")
+    hvd.barrier()
 
 elif scenario == "early_exit":
     if RANK == 0:

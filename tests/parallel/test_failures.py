@@ -61,6 +61,17 @@ def test_stall_shutdown_stops_every_rank_with_the_message(mpirun):
         assert f"rank {rank}: done" in text
 
 
+def test_a_stall_and_a_mismatch_in_a_process_set_name_global_ranks(mpirun):
+    proc = mpirun(3, WORKER, "stall_in_set", timeout=60,
+                  env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+    out = by_rank(proc)
+    assert "Missing ranks:\n2: [set.late]" in out[1], out[1]  # set rank 0 reports
+    for rank in (1, 2):
+        assert f"rank {rank}: failed with: Mismatched data types: One rank had type float32, " \
+               "but another rank had type float64. [tensor 'set.bad': rank 1 vs rank 2]" \
+               in out[rank], out[rank]
+
+
 def test_a_rank_that_shuts_down_early_is_named_by_the_others(mpirun):
     proc = mpirun(3, WORKER, "early_exit", timeout=60)
     out = by_rank(proc)

@@ -2,12 +2,13 @@
 
 Nothing is installed and nothing global is touched: the cluster lives in a temporary directory
 with its own ``slurm.conf`` (clients find it through ``SLURM_CONF``), its own munge key and socket
-(``AuthInfo=socket=...``), non-default ports picked free at start, and pid files through which only
-the daemons started here are stopped. Both nodes run on this host: they share its hostname, so a
-TaskProlog makes Open MPI use TCP between ranks (its shared-memory transport keys on the hostname).
-Each node advertises two fake GPUs, device files standing in for ``/dev/nvidia*`` (there is no
-GPU here; they carry /dev/null's device numbers), so that SLURM's own ``--gres=gpu`` bookkeeping
-and the ``CUDA_VISIBLE_DEVICES`` it sets are real.
+(``AuthInfo=socket=...``: a system munged and /etc/munge are neither needed nor touched), ports
+picked free at start, and pid files through which only the daemons started here are stopped.
+Both nodes run on this host: they share its hostname, so a TaskProlog makes Open MPI use TCP
+between ranks (its shared-memory transport keys on the hostname). Each node advertises two fake
+GPUs, device files standing in for ``/dev/nvidia*`` (there is no GPU here; they carry /dev/null's
+device numbers), so that SLURM's own ``--gres=gpu`` bookkeeping and the ``CUDA_VISIBLE_DEVICES``
+it sets are real.
 
 The fixture skips the tests, with the reason, only when the SLURM or munge binaries are missing.
 """
@@ -103,36 +104,28 @@ class SlurmCluster:
                             f"{state}\n{self.logs()}")
             time.sleep(0.3)
 
-    def node_states(self) -> dict[str, str]:
-        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=True).stdout.split()
-        return dict(zip(out[::2], out[1::2], strict=False))
-
-    def wait_idle(self, timeout: float = 30) -> None:
-        """Until every node is idle: a job that just ended may still be completing on them."""
-        deadline = time.monotonic() + timeout
-        while (states := self.node_states()) and any(s != "idle" for s in states.values()):
-            if time.monotonic() > deadline:
-                pytest.fail(f"nodes not idle after {timeout} s: {states}\n{self.logs()}")
-            time.sleep(0.2)
-
     def logs(self) -> str:
         parts = []
         for log in sorted(self.root.glob("log/*.log")):
             parts.append(f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
         return "\n".join(parts)
 
-    def submit_and_wait(self, script: Path, timeout: float = 60) -> tuple[int, dict[str, str]]:
+    def submit_and_wait(self, script: Path, timeout: float = 60, env: dict | None = None
+                        ) -> tuple[int, dict[str, str]]:
         """``sbatch`` a job script from its directory, wait for the job to end; return its exit
         status and final ``scontrol`` record.
 
         The same as ``sbatch --wait``, with a short poll instead of its back-off (up to 10 s).
         """
-        proc = self.run(["sbatch", "--parsable", str(script)], cwd=script.parent, check=True)
+        proc = self.run(["sbatch", "--parsable", str(script)], cwd=script.parent, check=True,
+                        env=env)
         record = self.wait_job(proc.stdout.strip().split(";")[0], timeout)
         return int(record["ExitCode"].split(":")[0]), record
 
     def stop(self) -> None:
-        """Stop the daemons started here, by pid file: SIGTERM all, SIGKILL what outlives 10 s."""
+        """Stop what this cluster started: its jobs, its daemons (by pid file), and any job-step
+        daemon (slurmstepd) of its slurmd that outlives them."""
+        self._drain()
         pids = []
         for path in self.pids.values():
             try:
@@ -145,11 +138,44 @@ class SlurmCluster:
         while pids and time.monotonic() < deadline:
             pids = [pid for pid in pids if _alive(pid)]
             time.sleep(0.05)
-        for pid in pids:
+        for pid in pids + self._stray_stepds():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _drain(self, timeout: float = 15) -> None:
+        """Cancel this cluster's jobs and wait (bounded) until no node is busy with one."""
+        def client(*args) -> str:
+            try:
+                return subprocess.run(args, capture_output=True, text=True, env=self.env(),
+                                      timeout=30).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return ""
+        jobs = client("squeue", "-h", "-o", "%i").split()
+        if jobs:
+            client("scancel", *jobs)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = client("sinfo", "-h", "-N", "-o", "%t").split()
+            if not client("squeue", "-h").strip() and all(s == "idle" for s in states):
+                return
+            time.sleep(0.2)
+
+    def _stray_stepds(self) -> list[int]:
+        """slurmstepd processes spawned by this cluster's slurmd (their SLURM_CONF is ours)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if (proc / "cmdline").read_bytes().startswith(b"slurmstepd") and \
+                        mark in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+        return found
 
 
 def _alive(pid: int) -> bool:
@@ -187,7 +213,8 @@ def _write_config(root: Path, host: str) -> Path:
         SlurmUser=root
         AuthType=auth/munge
         CredType=cred/munge
-        AuthInfo=socket={root}/munge/munge.sock
+        # cred_expire: a requeued job waits this long before it may start (default 120 s)
+        AuthInfo=socket={root}/munge/munge.sock,cred_expire=10
         MpiDefault=pmix
         ProctrackType=proctrack/linuxproc
         TaskPlugin=task/none

@@ -114,6 +114,8 @@ def test_cpu_partition_refuses_gpus_and_no_command_is_refused():
         render("oscar", gpus_per_node=1, partition="batch")
     with pytest.raises(ValueError, match="no command"):
         render(command=[], gpus_per_node=1)
+    with pytest.raises(TypeError, match="list of arguments"):
+        render(command="python train.py", gpus_per_node=1)
 
 
 def test_user_strings_cannot_become_commands(tmp_path):

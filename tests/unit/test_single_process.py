@@ -44,34 +44,38 @@ def values(dtype, shape=(3, 4)) -> np.ndarray:
 
 
 # -- before init, after shutdown ------------------------------------------------------------------
-BEFORE_INIT = [
-    hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size,
-    hvd.is_homogeneous, hvd.mpi_enabled, hvd.mpi_threads_supported, hvd.barrier, hvd.join,
-    hvd.stop_timeline, hvd.global_process_set.size, hvd.global_process_set.rank,
-    lambda: hvd.allreduce(np.ones(2)),
-    lambda: hvd.allreduce_async(np.ones(2), name="x"),
-    lambda: hvd.grouped_allreduce([np.ones(2)]),
-    lambda: hvd.allgather(np.ones(2)),
-    lambda: hvd.broadcast(np.ones(2), 0),
-    lambda: hvd.alltoall(np.ones(2)),
-    lambda: hvd.reducescatter(np.ones(2)),
-    lambda: hvd.broadcast_object({"a": 1}),
-    lambda: hvd.allgather_object(1),
-    lambda: hvd.poll(0),
-    lambda: hvd.synchronize(0),
-    lambda: hvd.start_timeline("/tmp/never.json"),
-    lambda: hvd.add_process_set([0]),
-]
+BEFORE_INIT = {
+    "size": hvd.size, "rank": hvd.rank, "local_rank": hvd.local_rank,
+    "local_size": hvd.local_size, "cross_rank": hvd.cross_rank, "cross_size": hvd.cross_size,
+    "is_homogeneous": hvd.is_homogeneous, "mpi_enabled": hvd.mpi_enabled,
+    "mpi_threads_supported": hvd.mpi_threads_supported, "barrier": hvd.barrier,
+    "join": hvd.join, "stop_timeline": hvd.stop_timeline,
+    "global_set_size": hvd.global_process_set.size,
+    "global_set_rank": hvd.global_process_set.rank,
+    "allreduce": lambda: hvd.allreduce(np.ones(2)),
+    "allreduce_async": lambda: hvd.allreduce_async(np.ones(2), name="x"),
+    "grouped_allreduce": lambda: hvd.grouped_allreduce([np.ones(2)]),
+    "allgather": lambda: hvd.allgather(np.ones(2)),
+    "broadcast": lambda: hvd.broadcast(np.ones(2), 0),
+    "alltoall": lambda: hvd.alltoall(np.ones(2)),
+    "reducescatter": lambda: hvd.reducescatter(np.ones(2)),
+    "broadcast_object": lambda: hvd.broadcast_object({"a": 1}),
+    "allgather_object": lambda: hvd.allgather_object(1),
+    "poll": lambda: hvd.poll(0),
+    "synchronize": lambda: hvd.synchronize(0),
+    "start_timeline": lambda: hvd.start_timeline("/tmp/never.json"),
+    "add_process_set": lambda: hvd.add_process_set([0]),
+}
 
 
-@pytest.mark.parametrize("call", BEFORE_INIT)
+@pytest.mark.parametrize("call", BEFORE_INIT.values(), ids=BEFORE_INIT.keys())
 def test_calls_before_init_raise_horovods_error(call):
     hvd.shutdown()
     assert not hvd.is_initialized()
     with pytest.raises(ValueError) as info:
         call()
-    assert str(info.value) == "Horovod has not been initialized; use hvd.init()."
-    assert NOT_INITIALIZED == str(info.value)
+    assert str(info.value) == "Horovod has not been initialized; use hvd.init()." \
+        == NOT_INITIALIZED
 
 
 def test_build_queries_need_no_init():
@@ -534,6 +538,24 @@ def test_size_one_script_runs_without_mpi4py(tmp_path):
     # only mpi_built() asked for mpi4py; init and the collectives never did
     assert "ATTEMPTS ['mpi4py']" in proc.stdout, proc.stdout + proc.stderr
     assert "mpi4py" not in proc.stderr
+
+
+@pytest.mark.parametrize("launch", [
+    # `srun --mpi=none` (or a wrong plugin): every task starts as an MPI singleton
+    {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+     "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+     "SLURM_STEP_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "2"},
+    {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"},
+], ids=["srun-without-pmix", "explicit"])
+def test_launcher_and_mpi_disagreeing_on_the_size_is_named(tmp_path, launch):
+    code = "import hpc_horovod as hvd\nhvd.init()\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=clean_env({"PYTHONPATH": str(ROOT), **launch}), timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "MpiWiringError: MPI did not wire up the 2 tasks of this" in proc.stderr, proc.stderr
+    assert "MPI sees a world of 1 process(es)" in proc.stderr
+    assert "srun --mpi=pmix python" in proc.stderr
 
 
 def test_mpi_launch_without_mpi4py_names_the_install(tmp_path):

@@ -108,6 +108,27 @@ def check_equivalence():
         assert_identical_on_all_ranks(model, what)
 
 
+def check_channels_last():
+    """Gradients in a channels_last layout are not contiguous: reduced through a copy."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N * 2, 2, 5, 5, generator=g).to(memory_format=torch.channels_last)
+    ref, model = make(), make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    model(x[2 * R:2 * R + 2]).pow(2).mean().backward()
+    assert not model.weight.grad.is_contiguous()
+    opt.step()
+    assert_close(model, ref, 1e-6, "channels_last")
+    assert model.weight.grad.is_contiguous(memory_format=torch.channels_last)
+
+
 def check_missing_gradients():
     """A branch only rank 0 uses: its gradient is None elsewhere, yet nobody deadlocks and
     every rank applies rank 0's gradient divided by N."""
@@ -298,6 +319,7 @@ def check_adasum():
 
 
 check_equivalence()
+check_channels_last()
 check_missing_gradients()
 check_sparse_gradients()
 check_synchronize_and_errors()

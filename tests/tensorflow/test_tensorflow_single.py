@@ -1,0 +1,169 @@
+"""hpc_horovod.tensorflow in one process (a job of size 1, no MPI): the API's shapes and values,
+the wrappers' argument checks, the errors, and the Keras optimizer's class and serialization."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import hpc_horovod.keras as hvd_keras_alias  # noqa: E402
+import hpc_horovod.tensorflow as hvd  # noqa: E402
+import hpc_horovod.tensorflow.keras as hvd_keras  # noqa: E402
+from hpc_horovod.tensorflow.gradients import GradientReducer  # noqa: E402
+
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_")
+
+
+@pytest.fixture
+def single(monkeypatch):
+    """An initialized size-1 job, shut down afterwards whatever the test did."""
+    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
+        monkeypatch.delenv(key)
+    hvd.shutdown()
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def both_modes(fn):
+    return fn(), tf.function(fn)()
+
+
+def test_collectives_of_a_single_process(single):
+    x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    for out in both_modes(lambda: [hvd.allreduce(x), hvd.allreduce(x, op=hvd.Sum),
+                                   hvd.allgather(x), hvd.broadcast(x, 0), hvd.alltoall(x),
+                                   hvd.reducescatter(x), hvd.size_op(), hvd.rank_op()]):
+        for tensor in out[:6]:
+            np.testing.assert_allclose(tensor, x)
+        assert [int(out[6]), int(out[7])] == [1, 0]
+    received, splits = hvd.alltoall(x, splits=[2])
+    np.testing.assert_allclose(received, x)
+    assert splits.numpy().tolist() == [2] and splits.dtype == tf.int32
+    assert int(hvd.join()) == 0
+
+
+def test_graph_outputs_keep_static_shapes(single):
+    recorded = {}
+
+    @tf.function
+    def record(x):
+        recorded.update(allreduce=hvd.allreduce(x).shape, allgather=hvd.allgather(x).shape,
+                        broadcast=hvd.broadcast(x, 0).shape, alltoall=hvd.alltoall(x).shape,
+                        grouped=hvd.grouped_allreduce([x, x[0]])[1].shape,
+                        reducescatter=hvd.reducescatter(x).shape, size=hvd.size_op().shape)
+        return x
+
+    record(tf.zeros([5, 3]))
+    assert {k: v.as_list() for k, v in recorded.items()} == {
+        "allreduce": [5, 3], "allgather": [None, 3], "broadcast": [5, 3], "alltoall": [None, 3],
+        "grouped": [3], "reducescatter": [5, 3], "size": []}
+
+
+def test_graph_op_names_are_deterministic_and_unique(single):
+    @tf.function
+    def twice(x):
+        return hvd.allreduce(x) + hvd.allreduce(x)
+
+    twice(tf.ones(2))
+    ops = [op for op in twice.get_concrete_function(tf.TensorSpec([2])).graph.get_operations()
+           if op.type == "PyFunc"]
+    assert len(ops) == 2
+
+
+def test_distributed_tape_of_one_process_is_the_plain_tape(single):
+    v = tf.Variable([1.0, 2.0])
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(v * v)
+    plain = tape.gradient(loss, v)
+    np.testing.assert_allclose(hvd.DistributedGradientTape(tape).gradient(loss, v), plain)
+    nested = hvd.DistributedGradientTape(tape).gradient(loss, {"v": [v]})
+    np.testing.assert_allclose(nested["v"][0], plain)
+
+
+def test_weighted_average_and_compression(single):
+    out = hvd.weighted_average({"acc": 0.75, "loss": tf.constant([1.0, 2.0])}, 12)
+    np.testing.assert_allclose(out["acc"], 0.75)
+    np.testing.assert_allclose(out["loss"], [1.0, 2.0])
+    half, ctx = hvd.Compression.fp16.compress(tf.constant([1.5], tf.float64))
+    assert half.dtype == tf.float16
+    assert hvd.Compression.fp16.decompress(half, ctx).dtype == tf.float64
+    ints, ctx = hvd.Compression.fp16.compress(tf.constant([3]))
+    assert ints.dtype == tf.int32 and ctx is None
+
+
+def test_bad_arguments_are_refused_with_the_fix(single):
+    with pytest.raises(ValueError, match="dtype string"):
+        hvd.allreduce(tf.constant(["text"]))
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        tf.function(hvd.allreduce, jit_compile=True)(tf.ones(2))
+    with pytest.raises(ValueError, match="op != Average"):
+        GradientReducer("x", op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="groups should be"):
+        GradientReducer("x", groups=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert GradientReducer("x", num_groups=2).groups == 2
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
+    with pytest.raises(ValueError, match="not a member"):
+        hvd.broadcast(tf.ones(1), root_rank=3)
+    with pytest.raises(TypeError, match="Keras optimizer"):
+        hvd_keras.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer())
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="doesn't inherit"):
+        hvd.DistributedOptimizer(object())
+    with pytest.raises(ValueError, match="has no gradient"):
+        with tf.GradientTape() as tape:
+            x = tf.constant([1.0])
+            tape.watch(x)
+            y = hvd.allreduce(x, op=hvd.Min)
+        tape.gradient(y, x)
+
+
+def test_keras_optimizer_is_a_subclass_with_the_same_config():
+    sgd = keras.optimizers.SGD(0.3, momentum=0.8, nesterov=True, name="mine")
+    wrapped = hvd_keras.DistributedOptimizer(sgd)
+    assert isinstance(wrapped, keras.optimizers.SGD)
+    assert type(wrapped).__name__ == "SGD" and type(wrapped).__module__ == type(sgd).__module__
+    assert wrapped.get_config() == sgd.get_config()
+    # Saved models name the wrapped class: they load without hpc_horovod.
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(wrapped))
+    assert type(restored) is keras.optimizers.SGD and restored.get_config() == sgd.get_config()
+    assert type(hvd_keras.DistributedOptimizer(keras.optimizers.Adam())) is \
+        type(hvd_keras.DistributedOptimizer(keras.optimizers.Adam()))
+
+
+def test_keras_fit_save_and_load_in_one_process(single, tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1,
+                                                                               momentum=0.9)),
+                  loss="mse")
+    x, y = np.random.rand(32, 4).astype("float32"), np.random.rand(32, 3).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd_keras_alias.callbacks.MetricAverageCallback()])
+    model.save(tmp_path / "model.keras")
+    loaded = hvd_keras.load_model(tmp_path / "model.keras")
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy())
+    assert hvd_keras.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
+    assert hvd_keras.broadcast(np.arange(3), 0).tolist() == [0, 1, 2]
+    assert hvd_keras.allgather(np.ones((2, 1))).shape == (2, 1)
+
+
+def test_alias_modules_are_the_keras_binding():
+    assert hvd_keras_alias.DistributedOptimizer is hvd_keras.DistributedOptimizer
+    assert hvd_keras_alias.callbacks.BroadcastGlobalVariablesCallback is \
+        hvd_keras.callbacks.BroadcastGlobalVariablesCallback
+    assert hvd.keras is hvd_keras

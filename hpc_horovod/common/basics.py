@@ -135,6 +135,8 @@ def _start_mpi(MPI) -> None:
 
 
 def _mpi_backend(topo, comm):
+    if comm is None:
+        _check_srun_plugin(topo)
     try:
         from mpi4py import MPI
     except ImportError:
@@ -175,6 +177,16 @@ def _mpi_backend(topo, comm):
                        local_size=None, cross_rank=None, cross_size=None)
     topo = _complete_topology(topo, dup)
     return topo, MpiBackend(dup), dup, MPI.Query_thread()
+
+
+def _check_srun_plugin(topo) -> None:
+    """Before MPI starts: a multi-task ``srun`` without an MPI plugin cannot be wired, and Open
+    MPI would abort with a message that does not say why."""
+    from ..slurm.preflight import check_mpi_plugin
+
+    for finding in check_mpi_plugin(os.environ, topo):
+        if finding.blocking:
+            raise MpiWiringError(finding.message)
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import copy
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-
-import tomllib
 
 from . import validate
 
@@ -71,6 +70,7 @@ class ClusterProfile:
     hint_nomultithread: bool
     default_time: int
     default_modules: tuple[str, ...]
+    module_depends_on: tuple[str, ...]
     default: str | None
     cpus_per_task: int
     partitions: dict[str, NodeClass] = field(default_factory=dict)
@@ -154,8 +154,8 @@ def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: s
 
 
 _TOP_KEYS = {"description", "template", "srun_mpi", "hint_nomultithread", "default_time",
-             "default_modules", "default", "cpus_per_task", "partitions", "constraints", "qos",
-             "storage", "based_on"}
+             "default_modules", "module_depends_on", "default", "cpus_per_task", "partitions",
+             "constraints", "qos", "storage", "based_on"}
 
 
 def profile_from_dict(name: str, data: Mapping, source: str = "") -> ClusterProfile:
@@ -186,6 +186,7 @@ def profile_from_dict(name: str, data: Mapping, source: str = "") -> ClusterProf
         hint_nomultithread=bool(data.get("hint_nomultithread", False)),
         default_time=_seconds(data.get("default_time", "01:00:00"), f"{where} default_time"),
         default_modules=validate.modules(data.get("default_modules", ())),
+        module_depends_on=validate.modules(data.get("module_depends_on", ())),
         default=default,
         cpus_per_task=int(data.get("cpus_per_task", 1)),
         partitions=partitions,

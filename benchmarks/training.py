@@ -1,11 +1,12 @@
 """Training throughput and scaling: hpc_horovod.torch against torch DistributedDataParallel.
 
 One run measures the same model and per-process batch with 1 and 2 processes, for
-``hpc_horovod.torch.DistributedOptimizer`` (launched with mpirun) and for torch's
+``hpc_horovod.torch.DistributedOptimizer`` (launched with ``hpc-horovod run``) and for torch's
 ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1), one compute thread per
 process, and prints images/s per process, in total, and the scaling efficiency
 (total with N processes / (N x one process)). Each configuration runs ``--rounds`` times,
-interleaved, and keeps its best round: the fairest number on a shared machine.
+interleaved with the others; the table shows the best round (the fairest number on a machine
+shared with other work) and the JSON keeps every round.
 
     python benchmarks/training.py            # table on stdout, JSON in benchmarks/out/
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
+RESULT = re.compile(r"RESULT (\[[^\]]*\])")
 
 
 # -- the workload (runs inside each worker process) --------------------------------------------
@@ -120,14 +124,14 @@ def _env() -> dict:
 
 
 def _result(stdout: str, what: str) -> list[float]:
-    for line in stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError(f"{what} printed no result:\n{stdout}")
+    match = RESULT.search(stdout)  # launchers may tag and interleave the workers' lines
+    if match is None:
+        raise RuntimeError(f"{what} printed no result:\n{stdout}")
+    return json.loads(match.group(1))
 
 
 def run_hvd(args, n: int) -> list[float]:
-    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
+    cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
            *_worker_args(args), "--worker", "hvd"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     if proc.returncode:
@@ -157,8 +161,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32, help="images per process")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=2, help="the scaled configuration")
     parser.add_argument("--worker", choices=["hvd", "ddp"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -168,28 +172,27 @@ def main(argv=None) -> None:
         return ddp_worker(args)
 
     runners = {"hpc_horovod": run_hvd, "torch DDP (gloo)": run_ddp}
-    best: dict[tuple[str, int], list[float]] = {}
+    totals: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
             for n in (1, args.processes):
-                rates = runner(args, n)
-                key = (name, n)
-                if key not in best or sum(rates) > sum(best[key]):
-                    best[key] = rates
+                total = sum(runner(args, n))
+                totals.setdefault((name, n), []).append(total)
                 print(f"round {round_ + 1}/{args.rounds}: {name:17s} {n} process(es): "
-                      f"{sum(rates):8.1f} img/s", file=sys.stderr, flush=True)
+                      f"{total:8.1f} img/s", file=sys.stderr, flush=True)
 
     rows = []
     for name in runners:
-        single = sum(best[(name, 1)])
+        single = max(totals[(name, 1)])
         for n in (1, args.processes):
-            rates = best[(name, n)]
+            best = max(totals[(name, n)])
             rows.append({"framework": name, "processes": n,
-                         "img_per_sec_per_process": sum(rates) / n,
-                         "img_per_sec_total": sum(rates),
-                         "scaling_efficiency": sum(rates) / (n * single)})
+                         "img_per_sec_per_process": best / n, "img_per_sec_total": best,
+                         "median_img_per_sec_total": statistics.median(totals[(name, n)]),
+                         "scaling_efficiency": best / (n * single),
+                         "rounds_img_per_sec_total": totals[(name, n)]})
     header = f"{'framework':18s} {'procs':>5s} {'img/s/proc':>11s} {'img/s total':>12s} " \
-             f"{'efficiency':>10s}"
+             f"{'(median)':>9s} {'efficiency':>10s}"
     print(f"model: small CNN, batch {args.batch_size}/process, 3x32x32 images, 1 thread per "
           f"process, {os.cpu_count()} cores")
     print(header)
@@ -197,7 +200,7 @@ def main(argv=None) -> None:
     for row in rows:
         print(f"{row['framework']:18s} {row['processes']:5d} "
               f"{row['img_per_sec_per_process']:11.1f} {row['img_per_sec_total']:12.1f} "
-              f"{row['scaling_efficiency']:10.1%}")
+              f"{row['median_img_per_sec_total']:9.1f} {row['scaling_efficiency']:10.1%}")
     OUT.mkdir(exist_ok=True)
     path = OUT / "training.json"
     path.write_text(json.dumps({"batch_size": args.batch_size, "steps": args.steps,

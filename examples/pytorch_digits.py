@@ -6,14 +6,15 @@ hpc_horovod.torch: the usual Horovod recipe, end to end.
 What every rank does: pin a device, read its shard of the data (DistributedSampler), scale the
 learning rate by the number of ranks, wrap the optimizer, start from rank 0's weights (or from
 the newest checkpoint), validate on its shard and average the metric over ranks weighted by
-sample counts. Only rank 0 prints and writes checkpoints, atomically.
+sample counts. Only rank 0 prints and writes checkpoints, atomically (``hpc_horovod.checkpoint``:
+a temporary file renamed over the final name; the three newest are kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import re
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,12 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import hpc_horovod.torch as hvd
-
-CHECKPOINT = re.compile(r"checkpoint-(\d+)\.pt$")
+from hpc_horovod.checkpoint import (
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05, help="for one rank; scaled by size")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--no-resume", action="store_true",
-                        help="start from scratch even when checkpoints exist")
+                        help="start from scratch, removing the checkpoints of earlier runs")
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args(argv)
 
@@ -64,28 +69,6 @@ def datasets(seed: int) -> tuple[TensorDataset, TensorDataset]:
 def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                          nn.Linear(64, 10))
-
-
-def newest_checkpoint(directory: str) -> tuple[int, str | None]:
-    """(epoch, path) of the newest checkpoint in ``directory``; (0, None) when there is none."""
-    found = []
-    if os.path.isdir(directory):
-        for name in os.listdir(directory):
-            match = CHECKPOINT.match(name)
-            if match:
-                found.append((int(match.group(1)), os.path.join(directory, name)))
-    return max(found) if found else (0, None)
-
-
-def save_checkpoint(directory: str, epoch: int, model, optimizer, accuracy: float) -> str:
-    """Write atomically: a crash mid-write never leaves a truncated newest checkpoint."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"checkpoint-{epoch:04d}.pt")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"epoch": epoch, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "accuracy": accuracy}, tmp)
-    os.replace(tmp, path)
-    return path
 
 
 def train_epoch(model, loader, optimizer, device) -> float:
@@ -137,9 +120,15 @@ def main(argv=None) -> None:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     # Rank 0 decides where to start; it alone reads the checkpoint, then broadcasts.
-    start_epoch, path = (0, None) if args.no_resume else newest_checkpoint(args.checkpoint_dir)
-    start_epoch = hvd.broadcast_object(start_epoch, root_rank=0, name="resume_epoch")
-    if hvd.rank() == 0 and path is not None and start_epoch:
+    path = None
+    if hvd.rank() == 0 and args.no_resume:
+        for _, old in list_checkpoints(args.checkpoint_dir):
+            os.remove(old)  # so that a later resume never picks an older run's checkpoint
+    elif hvd.rank() == 0:
+        path = latest_checkpoint(args.checkpoint_dir)
+    start_epoch = hvd.broadcast_object(checkpoint_step(path) if path else 0, root_rank=0,
+                                       name="resume_epoch")
+    if path is not None:
         state = torch.load(path, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -155,8 +144,11 @@ def main(argv=None) -> None:
         sampler.set_epoch(epoch)
         loss = train_epoch(model, loader, optimizer, device)
         accuracy, n_val = validate(model, val_shard, device)
-        if hvd.rank() == 0:
-            saved = save_checkpoint(args.checkpoint_dir, epoch, model, optimizer, accuracy)
+        if hvd.rank() == 0:  # rank 0 alone writes, atomically (temporary file, then rename)
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "accuracy": accuracy}
+            saved = save_checkpoint(functools.partial(torch.save, state), args.checkpoint_dir,
+                                    step=epoch)
             print(f"epoch {epoch}/{args.epochs}: train loss {loss:.4f}  val accuracy "
                   f"{accuracy:.4f} ({n_val} samples)  saved {saved}", flush=True)
     hvd.shutdown()

@@ -186,7 +186,8 @@ def _check_srun_plugin(topo) -> None:
 
     for finding in check_mpi_plugin(os.environ, topo):
         if finding.blocking:
-            raise MpiWiringError(finding.message)
+            raise MpiWiringError(f"MPI did not wire up the {topo.size} tasks of this "
+                                 f"{topo.launcher} launch: {finding.message}")
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:

@@ -15,6 +15,15 @@ def _rows(shape: tuple[int, ...]) -> int:
     return math.prod(shape[1:])
 
 
+def array_module(sig: Signature):
+    """numpy for host buffers, cupy for GPU buffers: where result buffers are allocated."""
+    if not sig.device:
+        return np
+    import cupy
+
+    return cupy
+
+
 def allgather_group(backend, group: list[tuple[Signature, Request | None]]) -> None:
     """Gather along dim 0 (sizes may differ per rank); one count exchange for the group."""
     mine = np.array([req.tensor.shape[0] if req is not None else 0 for _, req in group],
@@ -23,9 +32,10 @@ def allgather_group(backend, group: list[tuple[Signature, Request | None]]) -> N
     for j, (sig, req) in enumerate(group):
         rest = sig.shape[1:]
         dtype = np.dtype(sig.dtype)
+        xp = array_module(sig)
         per_rank = counts[:, j].tolist()
-        out = np.empty((sum(per_rank),) + rest, dtype=dtype)
-        send = req.tensor if req is not None else np.empty((0,) + rest, dtype=dtype)
+        out = xp.empty((sum(per_rank),) + rest, dtype=dtype)
+        send = req.tensor if req is not None else xp.empty((0,) + rest, dtype=dtype)
         row = _rows(sig.shape)
         backend.allgatherv(send, out, [c * row for c in per_rank])
         if req is not None:
@@ -33,14 +43,15 @@ def allgather_group(backend, group: list[tuple[Signature, Request | None]]) -> N
 
 
 def broadcast_one(backend, sig: Signature, req: Request | None) -> None:
+    xp = array_module(sig)
     if req is None:
-        buf = np.empty(sig.shape, dtype=np.dtype(sig.dtype))
+        buf = xp.empty(sig.shape, dtype=np.dtype(sig.dtype))
     elif req.output is not None:
         buf = req.output
         if buf is not req.tensor and backend.rank == sig.root:
             buf[...] = req.tensor
     else:
-        buf = req.tensor.copy() if backend.rank == sig.root else np.empty_like(req.tensor)
+        buf = req.tensor.copy() if backend.rank == sig.root else xp.empty_like(req.tensor)
     backend.bcast(buf, sig.root)
     if req is not None:
         req.result = buf
@@ -60,8 +71,9 @@ def alltoall_one(backend, sig: Signature, req: Request) -> None:
         splits = np.asarray(req.splits, dtype=np.int64).reshape(-1)
     recv_splits = backend.alltoall_ints(splits)
     row = _rows(tensor.shape)
-    out = np.empty((int(recv_splits.sum()),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-    backend.alltoallv(np.ascontiguousarray(tensor), (splits * row).tolist(), out,
+    xp = array_module(sig)
+    out = xp.empty((int(recv_splits.sum()),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    backend.alltoallv(xp.ascontiguousarray(tensor), (splits * row).tolist(), out,
                       (recv_splits * row).tolist())
     req.result = (out, recv_splits)
 
@@ -75,18 +87,19 @@ def reducescatter_one(backend, sig: Signature, req: Request) -> None:
     rows = [base + (1 if r < extra else 0) for r in range(size)]
     row = _rows(tensor.shape)
     dtype = tensor.dtype
-    wire = wire_dtype(dtype, sig.op)
+    xp = array_module(sig)
+    wire = wire_dtype(dtype, sig.op, sig.device)
     pre, post = scale_factors(sig, size)
-    send = np.empty(tensor.size, dtype=wire)
+    send = xp.empty(tensor.size, dtype=wire)
     if pre == 1.0:
         send[...] = tensor.reshape(-1)
     else:
-        np.multiply(tensor.reshape(-1), pre, out=send, casting="unsafe")
-    recv = np.empty(rows[backend.rank] * row, dtype=wire)
+        xp.multiply(tensor.reshape(-1), pre, out=send, casting="unsafe")
+    recv = xp.empty(rows[backend.rank] * row, dtype=wire)
     op = Sum if sig.op == Average else sig.op
     backend.reduce_scatter(send, recv, [r * row for r in rows], op)
     if post != 1.0:
-        np.multiply(recv, post, out=recv, casting="unsafe")
+        xp.multiply(recv, post, out=recv, casting="unsafe")
     req.result = recv.astype(dtype, copy=False).reshape((rows[backend.rank],) + tensor.shape[1:])
 
 

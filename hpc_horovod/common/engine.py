@@ -16,6 +16,7 @@ every pending handle then raises it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -319,11 +320,15 @@ class Engine:
                 others.append((sig, req))
         tl = self.timeline
         for group in group_allreduces(reductions, max(self.settings.fusion_threshold, 1)):
-            self._run_group(group, tl, "ALLREDUCE", lambda g=group: allreduce_group(backend, g))
-        if gathers:
-            self._run_group(gathers, tl, "ALLGATHER", lambda: allgather_group(backend, gathers))
+            self._run_group(backend, group, tl, "ALLREDUCE",
+                            lambda g=group: allreduce_group(backend, g))
+        for device in (False, True):
+            subset = [(sig, req) for sig, req in gathers if sig.device == device]
+            if subset:
+                self._run_group(backend, subset, tl, "ALLGATHER",
+                                lambda g=subset: allgather_group(backend, g))
         for sig, req in others:
-            self._run_group([(sig, req)], tl, sig.kind.upper(),
+            self._run_group(backend, [(sig, req)], tl, sig.kind.upper(),
                             lambda s=sig, r=req: self._execute_one(ps, s, r))
 
     def _execute_one(self, ps: ProcessSetState, sig, req) -> None:
@@ -358,7 +363,9 @@ class Engine:
         else:  # pragma: no cover - guarded at submission
             raise ValueError(f"unknown collective {sig.kind}")
 
-    def _run_group(self, group, tl, activity, fn) -> None:
+    def _run_group(self, backend, group, tl, activity, fn) -> None:
+        if group[0][0].device:
+            fn = self._on_device_stream(backend, group, fn)
         if tl is not None:
             for _, req in group:
                 if req is not None:
@@ -386,6 +393,28 @@ class Engine:
                 self._complete(req)
         with self._done:
             self._done.notify_all()
+
+    @staticmethod
+    def _on_device_stream(backend, group, fn):
+        """GPU groups run on the backend's stream, after the producers' ready events, and leave
+        a done event for the consumers: no host or device-wide synchronization."""
+
+        def run() -> None:
+            activate = getattr(backend, "activate", contextlib.nullcontext)
+            with activate():
+                for _, req in group:
+                    if req is not None and req.ready_event is not None:
+                        if hasattr(backend, "wait_for"):
+                            backend.wait_for(req.ready_event)
+                        else:
+                            req.ready_event.synchronize()
+                fn()
+                done = backend.done_event() if hasattr(backend, "done_event") else None
+            for _, req in group:
+                if req is not None:
+                    req.done_event = done
+
+        return run
 
     def _finish_join(self, ps: ProcessSetState) -> None:
         cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64))[:, 0]

@@ -67,9 +67,10 @@ def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
     return sig.prescale, sig.postscale * average
 
 
-def wire_dtype(dtype: np.dtype, op: int) -> np.dtype:
-    """The dtype that goes on the wire: half types are widened unless the native op exists."""
-    if dtype in HALF_DTYPES:
+def wire_dtype(dtype: np.dtype, op: int, device: bool = False) -> np.dtype:
+    """The dtype that goes on the wire: half types are widened unless a native op exists
+    (the extension's MPI op on the host; NCCL reduces float16 itself on the GPU)."""
+    if dtype in HALF_DTYPES and not device:
         if _native is not None and op in (Sum, Average) and _native.has_half_sum():
             return dtype
         return np.dtype(np.float32)
@@ -99,8 +100,11 @@ def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> N
     sig = group[0][0]
     dtype = np.dtype(sig.dtype)
     op = Sum if sig.op == Average else sig.op
-    wire = wire_dtype(dtype, sig.op)
+    wire = wire_dtype(dtype, sig.op, sig.device)
     pre, post = scale_factors(sig, backend.size)
+    if sig.device:
+        _allreduce_device_group(backend, group, dtype, op, pre, post)
+        return
     if len(group) == 1 and wire == dtype and group[0][1] is not None:
         _reduce_one(backend, group[0][1], op, pre, post)
         return
@@ -139,6 +143,33 @@ def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> N
             offset += n
 
 
+def _allreduce_device_group(backend, group, dtype, op, pre, post) -> None:
+    """The GPU version: the backend's reusable device fusion buffer, cupy kernels on the
+    backend's stream (the engine makes it current), results copied out of the buffer into
+    each request's output, since the buffer is reused by the next group."""
+    import cupy
+
+    sizes = [math.prod(s.shape) for s, _ in group]
+    total = sum(sizes)
+    buf = (backend.fusion_buffer(dtype, total) if hasattr(backend, "fusion_buffer")
+           else cupy.empty(total, dtype=dtype))[:total]
+    parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
+             for (_, req), n in zip(group, sizes)]
+    cupy.concatenate(parts, out=buf)
+    if pre != 1.0:
+        cupy.multiply(buf, pre, out=buf, casting="unsafe")
+    backend.allreduce(buf, op)
+    if post != 1.0:
+        cupy.multiply(buf, post, out=buf, casting="unsafe")
+    offset = 0
+    for (s, req), n in zip(group, sizes):
+        if req is not None:
+            out = req.output if req.output is not None else cupy.empty(s.shape, dtype)
+            out.reshape(-1)[...] = buf[offset:offset + n]
+            req.result = out
+        offset += n
+
+
 def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None:
     if req.output is not None:
         out = req.output
@@ -160,7 +191,7 @@ def group_allreduces(entries: list[tuple[Signature, Request | None]], threshold:
     open_groups: dict[tuple, list] = {}  # key -> [bytes, items] of the group being filled
     order: list[list] = []
     for sig, req in entries:
-        key = (sig.dtype, sig.op, sig.prescale, sig.postscale)
+        key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.device)
         nbytes = math.prod(sig.shape) * sig.dtype.itemsize
         current = open_groups.get(key)
         if current is None or (current[0] + nbytes > threshold and current[1]):

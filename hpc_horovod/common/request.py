@@ -17,7 +17,7 @@ class Request:
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "root", "prescale", "postscale",
                  "splits", "process_set_id", "signature", "handle", "result", "error", "done",
-                 "submitted_at", "payload")
+                 "submitted_at", "payload", "ready_event", "done_event")
 
     def __init__(self, kind: str, name: str, tensor: np.ndarray | None = None, *,
                  output: np.ndarray | None = None, op: int = 0, root: int = -1,
@@ -39,9 +39,15 @@ class Request:
             if kind in VARIABLE_FIRST_DIM and shape:
                 shape = (-1,) + shape[1:]
             dtype = tensor.dtype
+            device = not isinstance(tensor, np.ndarray)
         else:
-            shape, dtype = (), ""
-        self.signature = Signature(kind, dtype, shape, op, root, self.prescale, self.postscale)
+            shape, dtype, device = (), "", False
+        self.signature = Signature(kind, dtype, shape, op, root, self.prescale, self.postscale,
+                                   device)
+        # GPU only: recorded on the producer's stream at submission / on the backend's stream
+        # when the result is written (hpc_horovod.backends.nccl.ready_event / done_event).
+        self.ready_event = None
+        self.done_event = None
         self.handle = -1
         self.result = None
         self.error: BaseException | None = None

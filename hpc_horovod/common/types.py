@@ -61,6 +61,7 @@ class Signature(NamedTuple):
     root: int
     prescale: float
     postscale: float
+    device: bool = False  # a GPU buffer (cupy), moved by the NCCL backend
 
 
 def request_type(sig: Signature) -> str:
@@ -108,6 +109,10 @@ def mismatch_message(a: Signature, b: Signature) -> str | None:
     if a.root != b.root:
         return (f"Mismatched {kind_a} root ranks: One rank specified root rank {a.root}, but "
                 f"another rank specified root rank {b.root}.")
+    if a.device != b.device:
+        where = {True: "GPU", False: "CPU"}
+        return (f"Mismatched devices: One rank sent a {where[a.device]} tensor, but another "
+                f"rank sent a {where[b.device]} tensor.")
     return None
 
 

@@ -11,6 +11,12 @@
                                                      config=config, hooks=hooks) as sess:
         while not sess.should_stop():
             sess.run(train_op)
+
+Each collective holds an inter-op thread while it waits for the other ranks. Inside
+``tf.function`` TensorFlow runs them one after the other in program order; in a tf.compat.v1
+graph, independent collectives fetched by one ``Session.run`` may start in a different order on
+different ranks, which needs as many inter-op threads as there are such collectives (the default
+is one per core). The wrappers here issue one grouped op per step, which is always safe.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ TensorFlow runs stateful ops in program order, so every rank submits a function'
 the same order.
 
 Names: an explicit ``name`` is the engine's name for the op, verbatim. Without one, an eager op
-takes the core's counter (``allreduce.noname.3``) and a graph op a name derived, when the graph is
-built, from its kind and its input's name, made unique in the graph
-(``HorovodAllreduce_dense_MatMul_0``); both are the same on every rank running the same program.
+takes the core's counter (``allreduce.noname.3``) and a graph op its rank among the collectives of
+its kind built in the same graph (``HorovodGroupedAllreduce.0``): the same on every rank that
+runs the same program. Unlike Horovod, graph names do not come from tensor names, which Keras
+numbers per process (a model built on rank 0 only would rename every layer after it).
 
 Gradients follow Horovod: allreduce -> allreduce of the gradient with the same op and scale
 factors (Sum and Average only); allgather -> Average-allreduce of the gradient, then this rank's
@@ -20,8 +21,8 @@ size for Sum).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -35,11 +36,6 @@ from . import staging
 from .compression import Compression
 
 Runner = Callable[[list, "str | None"], list]
-
-
-def _normalize_name(name: str) -> str:
-    """A tensor name as TensorFlow accepts in op names (Horovod's rule)."""
-    return re.sub("[^a-zA-Z0-9_]", "_", name)
 
 
 def _check_dtype(dtype: tf.DType, kind: str, op: int | None = None) -> None:
@@ -60,10 +56,14 @@ def _check_not_xla(kind: str) -> None:
             "(Keras turns XLA on by default when a GPU is visible)")
 
 
-def _graph_name(prefix: str, tensors: Sequence[tf.Tensor]) -> str:
-    """Horovod's automatic name: kind + input name(s), unique in the graph being built."""
-    parts = [prefix] + [_normalize_name(t.name) for t in list(tensors[:1]) + list(tensors[1:][-1:])]
-    return tf.compat.v1.get_default_graph().unique_name("_".join(parts))
+_graph_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _graph_name(prefix: str) -> str:
+    """The engine name of the next ``prefix`` collective built in the current graph."""
+    counts = _graph_counts.setdefault(tf.compat.v1.get_default_graph(), {})
+    n = counts[prefix] = counts.get(prefix, -1) + 1
+    return f"{prefix}.{n}"
 
 
 def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType],
@@ -75,7 +75,7 @@ def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType]
         return [staging.to_device(r, dtype, device) for r, dtype in zip(results, out_dtypes)]
     _check_not_xla(prefix)
     if name is None:
-        name = _graph_name(prefix, inputs)
+        name = _graph_name(prefix)
     outputs = tf.numpy_function(lambda *arrays: run(list(arrays), name), inputs, out_dtypes,
                                 stateful=True, name=prefix)
     if not out_dtypes:
@@ -83,6 +83,12 @@ def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType]
     for out, shape in zip(outputs, out_shapes):
         out.set_shape(shape)
     return outputs
+
+
+def _check_process_set(process_set: ProcessSet) -> int:
+    """Fail when the graph is built, not when it runs: hvd.init() must have been called and the
+    set registered. Returns the set's size."""
+    return process_set.size()
 
 
 def _differentiable(op: int, kind: str) -> int:
@@ -118,7 +124,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     """Differentiable allreduce of one dense tensor, without compression."""
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor.dtype, "allreduce", op)
-    process_set.size()
+    _check_process_set(process_set)
     run = _allreduce_runner(op, prescale_factor, postscale_factor, process_set, grouped=False)
 
     @tf.custom_gradient
@@ -139,7 +145,7 @@ def _grouped_allreduce(tensors: list, name=None, op=Sum, prescale_factor=1.0,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, "allreduce", op)
-    process_set.size()
+    _check_process_set(process_set)
     run = _allreduce_runner(op, prescale_factor, postscale_factor, process_set, grouped=True)
 
     @tf.custom_gradient
@@ -253,7 +259,7 @@ def _allgather(tensors: list, name, process_set, grouped: bool) -> list[tf.Tenso
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, "allgather")
-    process_set.size()
+    _check_process_set(process_set)
     run = _allgather_runner(process_set, grouped)
     prefix = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
 
@@ -308,7 +314,7 @@ def _grouped_broadcast(tensors: list, root_rank: int, name=None,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for t in tensors:
         _check_dtype(t.dtype, "broadcast")
-    process_set.rank_of(root_rank)
+    process_set.rank_of(root_rank)  # ValueError unless a global rank of the set
     return _collective(_broadcast_runner(root_rank, process_set), tensors,
                        [t.dtype for t in tensors], [t.shape for t in tensors],
                        "HorovodGroupedBroadcast", name)
@@ -319,7 +325,7 @@ def broadcast(tensor, root_rank: int, name=None,
     """``root_rank``'s value of ``tensor`` on every rank (``root_rank`` is a global rank)."""
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor.dtype, "broadcast")
-    process_set.rank_of(root_rank)
+    process_set.rank_of(root_rank)  # ValueError unless a global rank of the set
     run = _broadcast_runner(root_rank, process_set)
 
     @tf.custom_gradient
@@ -344,7 +350,7 @@ def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_pr
     """
     tensor = tf.convert_to_tensor(tensor)
     _check_dtype(tensor.dtype, "alltoall")
-    n = process_set.size()
+    n = _check_process_set(process_set)
     split_inputs = [] if splits is None else [tf.cast(tf.convert_to_tensor(splits), tf.int64)]
 
     def run(arrays, name):
@@ -403,7 +409,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 
 def barrier(process_set: ProcessSet = global_process_set):
     """Wait until every rank of ``process_set`` reaches the barrier. Graph mode: returns the op."""
-    process_set.size()
+    _check_process_set(process_set)
 
     def run(arrays, name):
         core.barrier(process_set)
@@ -415,7 +421,7 @@ def barrier(process_set: ProcessSet = global_process_set):
 def join() -> tf.Tensor:
     """Declare that this rank has no more batches; until every rank has joined it contributes
     zeros to the other ranks' allreduces. Returns the rank that joined last (int32 scalar)."""
-    basics.size()
+    _check_process_set(global_process_set)
 
     def run(arrays, name):
         return [np.asarray(core.join(), dtype=np.int32)]

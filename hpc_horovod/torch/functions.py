@@ -11,9 +11,6 @@ from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import allgather_object, broadcast_object
 from .mpi_ops import broadcast_async_, synchronize
 
-__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
-           "broadcast_parameters"]
-
 
 def broadcast_parameters(params, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.mpi
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 HPC_HOROVOD = Path(sys.executable).parent / "hpc-horovod"
-TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+# One intra- and one inter-op thread per process keep two processes on two cores.
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1",
+          "TF_NUM_INTEROP_THREADS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 
 
 def hpc_horovod_run(np_: int, script: str, *args, timeout: float = 240) -> str:

@@ -16,6 +16,7 @@ import hpc_horovod.keras as hvd_keras_alias  # noqa: E402
 import hpc_horovod.tensorflow as hvd  # noqa: E402
 import hpc_horovod.tensorflow.keras as hvd_keras  # noqa: E402
 from hpc_horovod.tensorflow.gradients import GradientReducer  # noqa: E402
+from hpc_horovod.tensorflow.mpi_ops import _graph_name  # noqa: E402
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_")
 
@@ -66,12 +67,18 @@ def test_graph_outputs_keep_static_shapes(single):
         "grouped": [3], "reducescatter": [5, 3], "size": []}
 
 
-def test_graph_op_names_are_deterministic_and_unique(single):
+def test_graph_ops_are_named_by_their_rank_in_the_graph(single):
+    """Names that depend only on the order collectives are built in, not on tensor or layer
+    names, so that every rank tracing the same code agrees on them."""
+    for _ in range(2):  # every graph counts from 0
+        with tf.Graph().as_default():
+            assert [_graph_name("A"), _graph_name("A"), _graph_name("B")] == ["A.0", "A.1", "B.0"]
+
     @tf.function
     def twice(x):
         return hvd.allreduce(x) + hvd.allreduce(x)
 
-    twice(tf.ones(2))
+    np.testing.assert_allclose(twice(tf.ones(2)), [2.0, 2.0])
     ops = [op for op in twice.get_concrete_function(tf.TensorSpec([2])).graph.get_operations()
            if op.type == "PyFunc"]
     assert len(ops) == 2

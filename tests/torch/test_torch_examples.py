@@ -33,14 +33,18 @@ def epochs(stdout: str) -> list[tuple[int, float]]:
 
 def test_digits_trains_to_090_and_resumes_from_its_checkpoint(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "checkpoint-00000009.ckpt").write_bytes(b"an older run's")  # --no-resume drops it
     first = run_example("pytorch_digits.py", "--epochs", "4", "--checkpoint-dir", str(ckpt),
                         "--no-resume")
     assert [e for e, _ in epochs(first)] == [1, 2, 3, 4], first
     assert "[1,1]<stdout>:epoch" not in first, "only rank 0 prints"
-    assert sorted(p.name for p in ckpt.iterdir()) == [f"checkpoint-000{e}.pt" for e in (1, 2, 3, 4)]
+    # the three newest, complete, no temporary file left
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"checkpoint-0000000{e}.ckpt"
+                                                      for e in (2, 3, 4)]
 
     second = run_example("pytorch_digits.py", "--epochs", "5", "--checkpoint-dir", str(ckpt))
-    assert f"resuming from {ckpt / 'checkpoint-0004.pt'} (epoch 4" in second, second
+    assert f"resuming from {ckpt / 'checkpoint-00000004.ckpt'} (epoch 4" in second, second
     resumed = epochs(second)
     assert [e for e, _ in resumed] == [5], second
     # Epoch 5 continues from trained weights: one epoch from scratch stays far below this.

@@ -541,10 +541,11 @@ def test_size_one_script_runs_without_mpi4py(tmp_path):
 
 
 @pytest.mark.parametrize("launch", [
-    # `srun --mpi=none` (or a wrong plugin): every task starts as an MPI singleton
+    # a plugin the MPI library does not speak: every task starts as an MPI singleton
     {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
      "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
-     "SLURM_STEP_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "2"},
+     "SLURM_STEP_NODELIST": "node1", "SLURM_STEP_TASKS_PER_NODE": "2",
+     "SLURM_MPI_TYPE": "pmi2"},
     {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"},
 ], ids=["srun-without-pmix", "explicit"])
 def test_launcher_and_mpi_disagreeing_on_the_size_is_named(tmp_path, launch):
@@ -556,6 +557,24 @@ def test_launcher_and_mpi_disagreeing_on_the_size_is_named(tmp_path, launch):
     assert "MpiWiringError: MPI did not wire up the 2 tasks of this" in proc.stderr, proc.stderr
     assert "MPI sees a world of 1 process(es)" in proc.stderr
     assert "srun --mpi=pmix python" in proc.stderr
+
+
+def test_srun_without_mpi_plugin_is_named_before_mpi_starts(tmp_path):
+    """`srun --mpi=none`: no plugin variable at all; the error comes before MPI is loaded."""
+    launch = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2",
+              "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "node1",
+              "SLURM_STEP_TASKS_PER_NODE": "2"}
+    code = "import sys, hpc_horovod as hvd\ntry:\n    hvd.init()\nfinally:\n" \
+           "    print('MPI loaded:', 'mpi4py.MPI' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=clean_env({"PYTHONPATH": str(ROOT), **launch}), timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "MpiWiringError: MPI did not wire up the 2 tasks of this slurm launch: srun " \
+           "started these 2 tasks without an MPI plugin" in proc.stderr, proc.stderr
+    assert "srun --mpi=pmix" in proc.stderr
+    assert "MPI loaded: False" in proc.stdout
 
 
 def test_mpi_launch_without_mpi4py_names_the_install(tmp_path):

@@ -32,6 +32,7 @@ def check_allreduce():
         "scaled": hvd.allreduce(base * R, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
         "f64": hvd.allreduce(tf.cast(base, tf.float64) * R),
         "f16": hvd.allreduce(tf.cast(base * R, tf.float16), op=hvd.Sum),
+        "bf16": hvd.allreduce(tf.cast(base * R, tf.bfloat16), op=hvd.Sum),
         "i32": hvd.allreduce(tf.constant([3, 4], tf.int32) * (RANK + 1), op=hvd.Sum),
         "bool": hvd.allreduce(tf.constant([RANK == 0, True]), op=hvd.Min),
         "fp16 compression": hvd.allreduce(base * R, compression=hvd.Compression.fp16),
@@ -45,6 +46,8 @@ def check_allreduce():
     assert_close(out["scaled"], base * SUM)
     assert out["f64"].dtype == np.float64 and out["f16"].dtype == np.float16
     assert_close(out["f16"].astype(np.float32), base * SUM)
+    assert out["bf16"].dtype == tf.bfloat16.as_numpy_dtype
+    assert_close(out["bf16"].astype(np.float32), base * SUM)
     assert_close(out["i32"], [9, 12])
     assert out["bool"].tolist() == [False, True]
     assert out["fp16 compression"].dtype == np.float32
@@ -218,6 +221,12 @@ def check_errors():
 
 
 def check_functions():
+    try:
+        hvd.broadcast_global_variables(0)
+    except RuntimeError as exc:
+        assert "broadcast_variables" in str(exc)
+    else:
+        raise AssertionError("broadcast_global_variables is for graph mode")
     v = tf.Variable(tf.fill([3], R))
     hvd.broadcast_variables([v], root_rank=1)
     assert_close(v, [2.0, 2.0, 2.0])

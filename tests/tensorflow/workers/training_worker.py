@@ -82,6 +82,8 @@ def train_with_tape(kwargs: dict, graph_ops: int):
 
 
 def check_tape_equals_large_batch():
+    if RANK == 0:  # Keras numbers layers per process: rank 0's layer names now differ
+        make_model(7)
     train_with_tape({}, 2)  # the embedding's gradient is sparse: gathered, not reduced
     train_with_tape({"sparse_as_dense": True}, 1)
     train_with_tape({"groups": 2}, 3)
@@ -164,6 +166,19 @@ def check_backward_passes():
     reference.fit(X, Y, batch_size=2 * GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     assert_same_weights(model, reference)
     assert int(optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
+
+
+def check_loss_scale_optimizer():
+    """Wrapping the loss-scale optimizer: every rank checks the same averaged gradients."""
+    model = make_model(RANK)
+    inner = keras.optimizers.SGD(0.1)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(inner)),
+                  loss=LOSS)
+    model.fit(X[MINE], Y[MINE], batch_size=LOCAL_BATCH, epochs=1, verbose=0,
+              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert int(model.optimizer.iterations.numpy()) == SAMPLES // GLOBAL_BATCH
+    assert_equal_across_ranks(model)
 
 
 def check_learning_rate_callbacks():
@@ -253,7 +268,7 @@ def check_dispatch_and_errors():
 
 
 for check in (check_tape_equals_large_batch, check_partial_tape, check_fit_equals_large_batch,
-              check_backward_passes, check_learning_rate_callbacks,
+              check_backward_passes, check_loss_scale_optimizer, check_learning_rate_callbacks,
               check_checkpoint_and_load_model, check_dispatch_and_errors):
     check()
     print(f"rank {RANK}: {check.__name__} ok", flush=True)

@@ -190,6 +190,44 @@ def _check_srun_plugin(topo) -> None:
                                  f"{topo.launcher} launch: {finding.message}")
 
 
+def _nccl_backend(topo, mpi_comm, settings: Settings):
+    """NCCL for GPU buffers when CuPy, NCCL and a GPU for this rank exist; else None (GPU
+    tensors then travel through host memory over MPI, said once by rank 0)."""
+    try:
+        import cupy
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: a CPU job
+        return None
+    if count == 0:
+        return None
+    from .gpu import GpuLayoutError, choose_device_backend, select_gpu
+
+    choice, warning = choose_device_backend()
+    device = None
+    if choice == "nccl":
+        try:
+            device = select_gpu(topo.local_rank, topo.local_size, os.environ, count)
+        except GpuLayoutError as exc:
+            choice, warning = "mpi-staged", f"{exc} GPU tensors go through host memory (MPI)."
+    if warning and topo.rank == 0:
+        warnings.warn(warning, RuntimeWarning, stacklevel=3)
+    if choice != "nccl" or device is None:
+        return None
+    from ..backends.nccl import NcclBackend
+
+    node = topo.cross_rank if settings.hierarchical_allreduce else None
+    return NcclBackend(mpi_comm, device, node_id=node)
+
+
+def device_transport() -> str:
+    """How GPU tensors move in this job: "nccl", "single" (one process: local copies) or
+    "host" (staged through host memory over MPI). Bindings read it to hand GPU tensors over
+    zero-copy (DLPack) or copy them to the host."""
+    name = _require().backend_name
+    return name if name in ("nccl", "single") else "host"
+
+
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     """Start hpc_horovod in this process (idempotent).
 
@@ -203,7 +241,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     topo = topology_mod.detect()
     if topo.needs_mpi or comm is not None:
         topo, backend, mpi_comm, threads = _mpi_backend(topo, comm)
-        backend_name = "mpi"
+        nccl = _nccl_backend(topo, mpi_comm, settings)
+        backend, backend_name = (nccl, "nccl") if nccl is not None else (backend, "mpi")
     else:
         from ..backends.single import SingleBackend
 
@@ -257,6 +296,8 @@ def shutdown() -> None:
     _state = None
     state.engine.shutdown()
     state.engine.free_backends()
+    if hasattr(state.engine.backend, "free_device"):
+        state.engine.backend.free_device()
     if state.mpi_comm is not None:
         state.mpi_comm.Free()
     for ps in state.process_sets.values():
@@ -322,7 +363,7 @@ def mpi_threads_supported() -> bool:
 
 
 def mpi_enabled() -> bool:
-    return _require().backend_name == "mpi"
+    return _require().backend_name in ("mpi", "nccl")
 
 
 def mpi_built() -> bool:

@@ -72,6 +72,7 @@ class Engine:
     def __init__(self, backend, settings: Settings, timeline=None):
         self.settings = settings
         self.timeline = timeline
+        self.backend = backend
         self.rank = backend.rank
         self.size = backend.size
         self._sets: dict[int, ProcessSetState] = {

@@ -134,9 +134,19 @@ def _start_mpi(MPI) -> None:
     atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
 
 
+def _yield_when_cores_are_short(topo) -> None:
+    """Each rank runs two busy threads (the training and the engine). Where they outnumber the
+    cores, Open MPI's spinning waits take the core a peer's training needs, so ask Open MPI to
+    yield while it waits (read at MPI_Init; a user's own setting wins)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if 2 * (topo.local_size or 1) > (os.cpu_count() or 1) or (cores or 1) < 2:
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+
 def _mpi_backend(topo, comm):
     if comm is None:
         _check_srun_plugin(topo)
+    _yield_when_cores_are_short(topo)
     try:
         from mpi4py import MPI
     except ImportError:

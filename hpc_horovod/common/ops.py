@@ -90,7 +90,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                         postscale_factor, process_set))
 
 
-def _group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
+def group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
     base = _name(name, ps_id, f"grouped_{kind}")
     return [f"{base}.{i}" for i in range(n)]
 
@@ -98,7 +98,7 @@ def _group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
 def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> list[int]:
-    names = _group_names(name, len(tensors), _ps_id(process_set), "allreduce")
+    names = group_names(name, len(tensors), _ps_id(process_set), "allreduce")
     reqs = [allreduce_request(_array(t, "allreduce"), name=n, op=op, average=average,
                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                               process_set=process_set) for t, n in zip(tensors, names)]
@@ -132,7 +132,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> np.ndarray:
 
 def grouped_allgather_async(tensors: Sequence, name=None,
                             process_set=global_process_set) -> list[int]:
-    names = _group_names(name, len(tensors), _ps_id(process_set), "allgather")
+    names = group_names(name, len(tensors), _ps_id(process_set), "allgather")
     return submit([allgather_request(_array(t, "allgather"), name=n, process_set=process_set)
                    for t, n in zip(tensors, names)])
 
@@ -242,7 +242,7 @@ def reducescatter(tensor, name=None, op=None, process_set=global_process_set,
 def grouped_reducescatter_async(tensors: Sequence, name=None, op=None,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> list[int]:
-    names = _group_names(name, len(tensors), _ps_id(process_set), "reducescatter")
+    names = group_names(name, len(tensors), _ps_id(process_set), "reducescatter")
     return submit([reducescatter_request(_array(t, "reducescatter"), name=n, op=op,
                                          process_set=process_set,
                                          prescale_factor=prescale_factor,

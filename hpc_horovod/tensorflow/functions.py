@@ -13,6 +13,7 @@ from .mpi_ops import _allreduce, _grouped_broadcast
 __all__ = ["allgather_object", "broadcast_object", "broadcast_variables", "weighted_average"]
 
 
+@tf.autograph.experimental.do_not_convert
 def broadcast_variables(variables, root_rank: int,
                         process_set: ProcessSet = global_process_set):
     """Assign every variable the value it has on ``root_rank``, in one grouped broadcast.
@@ -28,6 +29,7 @@ def broadcast_variables(variables, root_rank: int,
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
+@tf.autograph.experimental.do_not_convert
 def weighted_average(value, count, name=None, process_set: ProcessSet = global_process_set):
     """The mean over ranks of ``value`` weighted by ``count``: sum(value*count) / sum(count).
 

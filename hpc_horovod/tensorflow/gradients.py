@@ -82,6 +82,7 @@ class GradientReducer:
         result.extend([i] for i in indices if i not in seen)
         return result
 
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, grads, variables=None) -> list:
         grads = list(grads)
         variables = None if variables is None else list(variables)

@@ -36,6 +36,9 @@ from . import staging
 from .compression import Compression
 
 Runner = Callable[[list, "str | None"], list]
+# Called from tf.function code, the API must run as plain Python: AutoGraph would otherwise
+# rewrite it (and the core it calls) on every trace.
+_not_autograph = tf.autograph.experimental.do_not_convert
 
 
 def _check_dtype(dtype: tf.DType, kind: str, op: int | None = None) -> None:
@@ -119,6 +122,7 @@ def _allreduce_runner(op, prescale, postscale, process_set, grouped: bool) -> Ru
     return run
 
 
+@_not_autograph
 def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Differentiable allreduce of one dense tensor, without compression."""
@@ -139,6 +143,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     return forward(tensor)
 
 
+@_not_autograph
 def _grouped_allreduce(tensors: list, name=None, op=Sum, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set) -> list[tf.Tensor]:
     """Differentiable allreduce of dense tensors in one graph op and one engine submission."""
@@ -181,6 +186,7 @@ def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, posts
     return out
 
 
+@_not_autograph
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set: ProcessSet = global_process_set):
@@ -203,6 +209,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         return compression.decompress(reduced, ctx)
 
 
+@_not_autograph
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set: ProcessSet = global_process_set,
@@ -281,11 +288,13 @@ def _allgather(tensors: list, name, process_set, grouped: bool) -> list[tf.Tenso
     return list(forward(*tensors))
 
 
+@_not_autograph
 def allgather(tensor, name=None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every rank's tensor along dim 0 (dim 0 may differ between ranks)."""
     return _allgather([tensor], name, process_set, grouped=False)[0]
 
 
+@_not_autograph
 def grouped_allgather(tensors, name=None,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allgather a list of tensors as one operation."""
@@ -307,6 +316,7 @@ def _broadcast_runner(root_rank, process_set) -> Runner:
     return run
 
 
+@_not_autograph
 def _grouped_broadcast(tensors: list, root_rank: int, name=None,
                        process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Broadcast several tensors as one operation (not differentiable): what broadcasting a
@@ -320,6 +330,7 @@ def _grouped_broadcast(tensors: list, root_rank: int, name=None,
                        "HorovodGroupedBroadcast", name)
 
 
+@_not_autograph
 def broadcast(tensor, root_rank: int, name=None,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s value of ``tensor`` on every rank (``root_rank`` is a global rank)."""
@@ -341,6 +352,7 @@ def broadcast(tensor, root_rank: int, name=None,
 
 # -- alltoall, reducescatter ----------------------------------------------------------------------
 
+@_not_autograph
 def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_process_set):
     """Send ``splits[j]`` rows of ``tensor`` to rank j (equal blocks when ``splits`` is None) and
     receive the rows every rank sends here, in rank order.
@@ -371,6 +383,7 @@ def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_pr
     return received if splits is None else (received, received_splits)
 
 
+@_not_autograph
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set: ProcessSet = global_process_set, prescale_factor=1.0,
                   postscale_factor=1.0) -> tf.Tensor:
@@ -407,6 +420,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 
 # -- synchronization ------------------------------------------------------------------------------
 
+@_not_autograph
 def barrier(process_set: ProcessSet = global_process_set):
     """Wait until every rank of ``process_set`` reaches the barrier. Graph mode: returns the op."""
     _check_process_set(process_set)
@@ -418,6 +432,7 @@ def barrier(process_set: ProcessSet = global_process_set):
     return None if tf.executing_eagerly() else result
 
 
+@_not_autograph
 def join() -> tf.Tensor:
     """Declare that this rank has no more batches; until every rank has joined it contributes
     zeros to the other ranks' allreduces. Returns the rank that joined last (int32 scalar)."""
@@ -444,32 +459,39 @@ def _set_ranks(process_set_id: int) -> list[int]:
     return basics.engine().process_set_ranks(process_set_id)
 
 
+@_not_autograph
 def size_op(process_set_id: int = 0, name=None) -> tf.Tensor:
     """The number of processes in the process set (the whole job by default)."""
     return _query(lambda: len(_set_ranks(process_set_id)), name, "HorovodSize")
 
 
+@_not_autograph
 def process_set_included_op(process_set_id: int = 0, name=None) -> tf.Tensor:
     """1 when this process belongs to the process set, else 0."""
     return _query(lambda: int(basics.rank() in _set_ranks(process_set_id)), name,
                   "HorovodProcessSetIncluded")
 
 
+@_not_autograph
 def rank_op(name=None) -> tf.Tensor:
     return _query(basics.rank, name, "HorovodRank")
 
 
+@_not_autograph
 def local_rank_op(name=None) -> tf.Tensor:
     return _query(basics.local_rank, name, "HorovodLocalRank")
 
 
+@_not_autograph
 def local_size_op(name=None) -> tf.Tensor:
     return _query(basics.local_size, name, "HorovodLocalSize")
 
 
+@_not_autograph
 def cross_rank_op(name=None) -> tf.Tensor:
     return _query(basics.cross_rank, name, "HorovodCrossRank")
 
 
+@_not_autograph
 def cross_size_op(name=None) -> tf.Tensor:
     return _query(basics.cross_size, name, "HorovodCrossSize")

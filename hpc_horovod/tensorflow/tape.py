@@ -39,6 +39,7 @@ class _DistributedGradientTape(tf.GradientTape):
         """Keep ``source``'s gradient local to this rank (not reduced)."""
         self._local_sources.add(id(source))
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)

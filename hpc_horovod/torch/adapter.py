@@ -2,8 +2,9 @@
 
 A contiguous CPU tensor and its numpy view share memory, so the engine reads inputs and writes
 in-place results straight into the tensor. bfloat16 has no numpy dtype of its own: the bits are
-viewed as int16 in torch and as ``ml_dtypes.bfloat16`` in numpy. CUDA tensors are staged through
-host memory by :func:`to_host`, the one place a device backend will plug in.
+viewed as int16 in torch and as ``ml_dtypes.bfloat16`` in numpy. CUDA tensors go to the engine
+as cupy views (DLPack, zero copy) when it moves GPU memory itself (NCCL, or one process), and are
+staged through host memory by :func:`to_host` otherwise (and for bfloat16, which CuPy lacks).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..common import basics
 from ..common.types import bfloat16
 
 #: torch dtypes the engine reduces, gathers and broadcasts
@@ -51,6 +53,11 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
         raise ValueError(f"Tensor is required to be contiguous for the in-place {op_name}: call "
                          f"it on tensor.contiguous() and copy back, or use the out-of-place "
                          f"{op_name.rstrip('_')}")
+    if tensor.device.type == "cuda" and tensor.dtype != torch.bfloat16 and \
+            basics.device_transport() != "host":
+        import cupy
+
+        return cupy.from_dlpack(tensor.detach().contiguous())
     host = to_host(tensor)
     if not host.is_contiguous():
         host = host.contiguous()
@@ -60,7 +67,9 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
 
 
 def to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device`` holding ``array`` (zero copy on the CPU)."""
+    """A tensor on ``device`` holding ``array`` (zero copy on the CPU and for GPU arrays)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
     if array.dtype == bfloat16:
         tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
@@ -71,6 +80,11 @@ def to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def write_back(array: np.ndarray, target: torch.Tensor) -> torch.Tensor:
     """Make ``target`` hold the in-place result ``array``; a no-op when the engine already wrote
     into ``target``'s own memory."""
+    if not isinstance(array, np.ndarray):
+        if array.data.ptr != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(torch.from_dlpack(array).view(target.shape))
+        return target
     if target.device.type == "cpu" and array.ctypes.data == target.data_ptr():
         return target
     with torch.no_grad():

@@ -37,6 +37,18 @@ def shutdown() -> None:
     _handle_map.clear()
 
 
+def _submit(requests: list) -> list[int]:
+    """Hand requests to the engine. GPU requests carry an event recorded on torch's current
+    stream, so the engine's stream starts after the kernels that produced the tensors."""
+    if any(req.signature.device for req in requests):
+        from ..backends.nccl import ready_event
+
+        event = ready_event(torch.cuda.current_stream().cuda_stream)
+        for req in requests:
+            req.ready_event = event
+    return ops.submit(requests)
+
+
 def _register(engine_handles: list[int], finish: Callable[[list], object]) -> int:
     handle = engine_handles[0]
     _handle_map[handle] = (engine_handles, finish)
@@ -66,7 +78,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                                 process_set=process_set,
                                 **_reduction(op, average, prescale_factor, postscale_factor))
     device = tensor.device
-    return _register(ops.submit([req]), lambda results: to_torch(results[0], device))
+    return _register(_submit([req]), lambda results: to_torch(results[0], device))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -76,7 +88,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
     array = engine_array(tensor, "allreduce_", inplace=True)
     req = ops.allreduce_request(array, name=name, process_set=process_set, output=array,
                                 **_reduction(op, average, prescale_factor, postscale_factor))
-    return _register(ops.submit([req]), lambda results: write_back(results[0], tensor))
+    return _register(_submit([req]), lambda results: write_back(results[0], tensor))
 
 
 def allreduce_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -120,13 +132,13 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start one allreduce for a list of tensors (reduced together); one handle for the list."""
     tensors = _nonempty(tensors, "grouped_allreduce")
-    names = ops._group_names(name, len(tensors), process_set.process_set_id, "allreduce")
+    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allreduce")
     reqs = [ops.allreduce_request(engine_array(t, "grouped_allreduce"), name=n,
                                   process_set=process_set,
                                   **_reduction(op, average, prescale_factor, postscale_factor))
             for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
-    return _register(ops.submit(reqs),
+    return _register(_submit(reqs),
                      lambda results: [to_torch(r, d) for r, d in zip(results, devices)])
 
 
@@ -135,7 +147,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                              postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     tensors = _nonempty(tensors, "grouped_allreduce_")
-    names = ops._group_names(name, len(tensors), process_set.process_set_id, "allreduce")
+    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allreduce")
     reqs = []
     for tensor, tensor_name in zip(tensors, names):
         array = engine_array(tensor, "grouped_allreduce_", inplace=True)
@@ -143,7 +155,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                                           output=array,
                                           **_reduction(op, average, prescale_factor,
                                                     postscale_factor)))
-    return _register(ops.submit(reqs),
+    return _register(_submit(reqs),
                      lambda results: [write_back(r, t) for r, t in zip(results, tensors)])
 
 
@@ -208,7 +220,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
                                        check_invariants=False)
 
-    return _register(ops.submit(reqs), finish)
+    return _register(_submit(reqs), finish)
 
 
 # -- allgather ------------------------------------------------------------------------------------
@@ -219,7 +231,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     req = ops.allgather_request(engine_array(tensor, "allgather"), name=name,
                                 process_set=process_set)
     device = tensor.device
-    return _register(ops.submit([req]), lambda results: to_torch(results[0], device))
+    return _register(_submit([req]), lambda results: to_torch(results[0], device))
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
@@ -255,11 +267,11 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     tensors = _nonempty(tensors, "grouped_allgather")
-    names = ops._group_names(name, len(tensors), process_set.process_set_id, "allgather")
+    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allgather")
     reqs = [ops.allgather_request(engine_array(t, "grouped_allgather"), name=n,
                                   process_set=process_set) for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
-    return _register(ops.submit(reqs),
+    return _register(_submit(reqs),
                      lambda results: [to_torch(r, d) for r, d in zip(results, devices)])
 
 
@@ -298,7 +310,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank, name=name,
                                 process_set=process_set)
     device = tensor.device
-    return _register(ops.submit([req]), lambda results: to_torch(results[0], device))
+    return _register(_submit([req]), lambda results: to_torch(results[0], device))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -307,7 +319,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     array = engine_array(tensor, "broadcast_", inplace=True)
     req = ops.broadcast_request(array, root_rank, name=name, process_set=process_set,
                                 output=array)
-    return _register(ops.submit([req]), lambda results: write_back(results[0], tensor))
+    return _register(_submit([req]), lambda results: write_back(results[0], tensor))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -353,7 +365,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
         output, received = results[0]
         return to_torch(output, device), torch.from_numpy(received.astype(np.int32))
 
-    return _register(ops.submit([req]), finish)
+    return _register(_submit([req]), finish)
 
 
 class HorovodAlltoall(torch.autograd.Function):
@@ -397,7 +409,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
     device = tensor.device
-    return _register(ops.submit([req]), lambda results: to_torch(results[0], device))
+    return _register(_submit([req]), lambda results: to_torch(results[0], device))
 
 
 def _reducescatter_grad(grad: torch.Tensor, op, prescale: float, postscale: float,
@@ -435,13 +447,13 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     tensors = _nonempty(tensors, "grouped_reducescatter")
-    names = ops._group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
+    names = ops.group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
     reqs = [ops.reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
                                       process_set=process_set, prescale_factor=prescale_factor,
                                       postscale_factor=postscale_factor)
             for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
-    return _register(ops.submit(reqs),
+    return _register(_submit(reqs),
                      lambda results: [to_torch(r, d) for r, d in zip(results, devices)])
 
 
@@ -491,11 +503,18 @@ def synchronize(handle: int):
     engine_handles, finish = _entry(handle)
     del _handle_map[handle]
     results, error = [], None
+    engine = basics.engine()
     for engine_handle in engine_handles:
         try:
-            results.append(ops.synchronize(engine_handle))
+            req = engine.wait(engine_handle)
         except BaseException as exc:  # wait for the whole group before raising
             error = error or exc
+            continue
+        if req.done_event is not None:  # GPU result: order torch's stream after the engine's
+            from ..backends.nccl import stream_wait
+
+            stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
+        results.append(req.result)
     if error is not None:
         raise error
     return finish(results)

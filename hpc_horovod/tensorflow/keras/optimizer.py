@@ -55,6 +55,7 @@ class _DistributedOptimizer:
             self._hvd_pass_count = self.add_variable(shape=(), dtype="int64",
                                                      name="hvd_backward_passes")
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if trainable_variables is not None:

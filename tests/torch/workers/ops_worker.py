@@ -145,7 +145,7 @@ def check_allgather_broadcast():
 
 
 def check_alltoall_reducescatter():
-    for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.bool):
+    for dtype in FLOATS + INTS + (torch.bool,):
         # equal splits: rank R sends rows [j*2, j*2+2) to rank j
         mine = value(R, dtype, (2 * N, 3))
         want = torch.cat([value(r, dtype, (2 * N, 3))[2 * R:2 * R + 2] for r in range(N)])
@@ -169,7 +169,7 @@ def check_alltoall_reducescatter():
     d0 = 2 * N + 1  # does not divide: the first rank gets one more row
     counts = [d0 // N + (1 if r < d0 % N else 0) for r in range(N)]
     start = sum(counts[:R])
-    for dtype in (torch.float32, torch.float64, torch.int32):
+    for dtype in FLOATS + INTS:
         total = sum(value(r, dtype, (d0, 2)).double() for r in range(N))
         got = hvd.reducescatter(value(R, dtype, (d0, 2)), op=hvd.Sum)
         expect_equal(got, total[start:start + counts[R]].to(dtype), f"reducescatter {dtype}")

@@ -130,10 +130,10 @@ def _result(stdout: str, what: str) -> list[float]:
     return json.loads(match.group(1))
 
 
-def run_hvd(args, n: int, extra_env: dict | None = None) -> list[float]:
+def run_hvd(args, n: int) -> list[float]:
     cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
            *_worker_args(args), "--worker", "hvd"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **(extra_env or {})},
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(),
                           timeout=600)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -174,9 +174,6 @@ def main(argv=None) -> None:
 
     runners = {
         "hpc_horovod": run_hvd,
-        # Open MPI yields the core while it waits instead of spinning: matters when ranks plus
-        # their engine threads outnumber the cores, as with 2 ranks on 2 cores here.
-        "hpc_horovod+yield": lambda a, n: run_hvd(a, n, {"OMPI_MCA_mpi_yield_when_idle": "1"}),
         "torch DDP (gloo)": run_ddp,
     }
     totals: dict[tuple[str, int], list[float]] = {}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, mpi_env
+from support import ROOT, mpi_env
 
 from hpc_horovod.common.basics import cuda_built, nccl_built
 from hpc_horovod.common.gpu import (

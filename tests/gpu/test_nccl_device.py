@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, mpi_env
+from support import ROOT, mpi_env
 
 pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).with_name("nccl_device_worker.py")

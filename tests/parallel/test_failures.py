@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from mpi_output import by_rank, launcher_text
+from support import mpi_env
 
 HERE = Path(__file__).parent
 WORKER = HERE / "failures_worker.py"
@@ -106,7 +107,7 @@ def test_sigkill_of_a_rank_ends_the_job_under_mpirun(mpirun):
 
 def test_sigkill_of_a_rank_ends_the_job_under_hpc_horovod_run(mpirun):
     launcher = Path(sys.executable).with_name("hpc-horovod")
-    env = mpirun.__globals__["mpi_env"]()  # the clean MPI environment of the fixture's runs
+    env = mpi_env()  # the clean MPI environment of the fixture's runs
     proc = subprocess.run([str(launcher), "run", "-np", "2", sys.executable, str(WORKER), "kill"],
                           capture_output=True, text=True, timeout=60, env=env)
     _assert_killed_rank_named(proc)

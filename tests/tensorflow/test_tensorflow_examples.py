@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env
+from support import mpi_env
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.mpi

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, mpi_env
+from support import ROOT, mpi_env
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")

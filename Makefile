@@ -6,7 +6,6 @@ STAMP  := $(VENV)/.installed
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
-export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test test-fast lint sysdeps venv bench clean
 

@@ -22,11 +22,13 @@ def mpi_env(extra: dict | None = None) -> dict:
         "OMPI_MCA_rmaps_base_oversubscribe": "1",
         # Two cores: keep MPI from spinning on shared memory while ranks share a core.
         "OMPI_MCA_mpi_yield_when_idle": "1",
-        "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         "OMP_NUM_THREADS": "1",
     })
-    for key in [k for k in env if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "PMI_"))]:
+    # Unbuffered output makes print() two writes, and --tag-output then glues the next line's
+    # tag to the text ("1.0e-03[1,0]<stdout>:"): workers flush whole lines instead.
+    for key in [k for k in env if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "PMI_"))
+                or k == "PYTHONUNBUFFERED"]:
         env.pop(key)
     if extra:
         env.update(extra)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FINAL = re.compile(r"FINAL mode=(\S+) member=(\S+)(?: k=(\d))? rel_l2=(\S+)")
+FINAL = re.compile(r"FINAL mode=(\S+) member=(\S+)(?: k=(\d))? rel_l2=([-+.0-9eE]+)")
 TOLERANCE = 5e-2
 
 # Fewer steps than the scripts' defaults keep each run short; the errors stay well below 5e-2.

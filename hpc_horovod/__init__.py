@@ -38,6 +38,7 @@ from .common.basics import (
     stop_timeline,
 )
 from .common.errors import HorovodInternalError, HostsUpdatedInterrupt, TopologyError
+from .common.gpu import GpuLayoutError, pin_gpu
 from .common.ops import (
     allgather,
     allgather_async,

@@ -58,6 +58,7 @@ from ..common.basics import (
     stop_timeline,
 )
 from ..common.errors import HorovodInternalError
+from ..common.gpu import GpuLayoutError, pin_gpu
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_variables, weighted_average

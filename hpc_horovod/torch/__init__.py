@@ -35,6 +35,7 @@ from ..common.basics import (
     stop_timeline,
 )
 from ..common.errors import HorovodInternalError, HostsUpdatedInterrupt
+from ..common.gpu import GpuLayoutError, pin_gpu
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 from .functions import (

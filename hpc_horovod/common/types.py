@@ -32,8 +32,8 @@ _PLAIN_OPS = frozenset((Average, Sum, Min, Max, Product))
 def check_dtype(dtype: np.dtype, kind: str, op: int | None = None) -> None:
     """Raise ValueError for a dtype (or a dtype/op pair) no backend can handle."""
     if not isinstance(op, (int, type(None))):
-        raise ValueError(f"op must be one of hvd.Average, Sum, Min, Max, Product, Adasum, "
-                         f"not {op!r}")
+        raise ValueError(f"unknown reduction op {op!r}; use Average, Sum, Min, Max, Product or "
+                         "Adasum")
     if dtype in _SUPPORTED and (op is None or (op in _PLAIN_OPS and dtype.kind != "b")):
         return  # the common case, kept cheap: it runs once per submitted tensor
     dtype = np.dtype(dtype)

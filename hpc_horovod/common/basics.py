@@ -14,7 +14,7 @@ from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
 from .errors import NOT_INITIALIZED, MpiWiringError, TopologyError
-from .request import Request
+from .request import Request, control_signature
 from .timeline import Timeline
 
 
@@ -360,7 +360,10 @@ def settings() -> Settings:
 
 
 def engine() -> Engine:
-    return _require().engine
+    state = _state  # no _require(): this runs once per submitted tensor
+    if state is None:
+        raise ValueError(NOT_INITIALIZED)
+    return state.engine
 
 
 def mpi_threads_supported() -> bool:
@@ -451,8 +454,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     bad = [r for r in ps.ranks if not 0 <= r < size()]
     if bad:
         raise ValueError(f"process set ranks {bad} are outside the job of size {size()}")
-    req = Request("process_set_add", next_name(0, "process_set_add"))
-    req.signature = req.signature._replace(shape=tuple(ps.ranks))
+    req = Request(next_name(0, "process_set_add"), None,
+                  control_signature("process_set_add", shape=tuple(ps.ranks)))
     (handle,) = state.engine.enqueue([req])
     ps.process_set_id = state.engine.wait(handle).result
     state.process_sets[ps.process_set_id] = ps
@@ -466,7 +469,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     ps_id = process_set.process_set_id
     if ps_id in (None, 0) or ps_id not in state.process_sets:
         return False
-    req = Request("process_set_remove", next_name(0, "process_set_remove"), root=ps_id)
+    req = Request(next_name(0, "process_set_remove"), None,
+                  control_signature("process_set_remove", root=ps_id))
     (handle,) = state.engine.enqueue([req])
     state.engine.wait(handle)
     state.process_sets.pop(ps_id, None)

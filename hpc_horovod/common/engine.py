@@ -16,7 +16,10 @@ every pending handle then raises it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
+import itertools
 import logging
 import sys
 import threading
@@ -33,7 +36,7 @@ from .collectives import (
 )
 from .config import Settings
 from .errors import SHUT_DOWN, HorovodInternalError
-from .fusion import allreduce_group, group_allreduces
+from .fusion import FusedAllreduce, group_allreduces
 from .negotiation import (
     FLAG_ABORT,
     FLAG_JOINED,
@@ -48,14 +51,57 @@ from .negotiation import (
     unpack_words,
 )
 from .request import Request
-from .types import Adasum
+from .types import Adasum, Signature
 
 log = logging.getLogger("hpc_horovod")
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
+_DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
+              "another tensor that is currently being processed.  If you want to request "
+              "another tensor, use a different tensor name. [{}]")
+
+
+class Plan:
+    """How one set of agreed tensors executes, identically on every rank: their names and
+    signatures in execution order, and the steps, each a slice of them:
+    ``(activity, start, stop, FusedAllreduce or None)``. Allreduces come first, fused per
+    dtype/op/scales up to the fusion threshold, then allgathers (host, then device), then the
+    other collectives one by one. ``order[i]`` is the position, in the lists the plan was built
+    from, of its i-th tensor.
+
+    A training step submits the same gradients every time, so plans of ready sets that came
+    from the response cache are kept (:meth:`ProcessSetState.cached_plan`): the grouping and
+    the fusion layout are then computed once, not once per step.
+    """
+
+    __slots__ = ("names", "sigs", "steps", "order")
+
+    def __init__(self, names: list[str], sigs: list[Signature], threshold: int):
+        reductions, gathers, devices, others = [], [], [], []
+        for i, sig in enumerate(sigs):
+            if sig.kind == "allreduce" and sig.op != Adasum:
+                reductions.append(i)
+            elif sig.kind == "allgather":
+                (devices if sig.device else gathers).append(i)
+            else:
+                others.append(i)
+        groups = [("ALLREDUCE", g, True)
+                  for g in group_allreduces(sigs, reductions, max(threshold, 1))]
+        groups += [("ALLGATHER", g, False) for g in (gathers, devices) if g]
+        groups += [(sigs[i].kind.upper(), [i], False) for i in others]
+        self.order, self.steps = [], []
+        for activity, indices, fuse in groups:
+            start = len(self.order)
+            self.order += indices
+            fused = FusedAllreduce([sigs[i] for i in indices]) if fuse else None
+            self.steps.append((activity, start, len(self.order), fused))
+        self.names = [names[i] for i in self.order]
+        self.sigs = [sigs[i] for i in self.order]
 
 
 class ProcessSetState:
     """Engine-side state of one process set this rank belongs to."""
+
+    MAX_PLANS = 64
 
     def __init__(self, ps_id: int, ranks: list[int], backend, settings: Settings):
         self.id = ps_id
@@ -66,6 +112,22 @@ class ProcessSetState:
         self.join_request: Request | None = None
         self.join_cycle = 0
         self.last_stall_report = time.monotonic()
+        self._plans: dict[int, Plan] = {}
+        self._plans_generation = -1
+
+    def cached_plan(self, ready_bits: int, threshold: int) -> Plan:
+        """The plan of the tensors whose cache bits are ``ready_bits``; valid while the cache's
+        bit assignments do not change."""
+        cache = self.cache
+        if self._plans_generation != cache.generation or len(self._plans) >= self.MAX_PLANS:
+            self._plans.clear()
+            self._plans_generation = cache.generation
+        plan = self._plans.get(ready_bits)
+        if plan is None:
+            names = [cache.name(bit) for bit in iter_bits(ready_bits)]
+            sigs = [cache.signature(name) for name in names]
+            plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
+        return plan
 
 
 class Engine:
@@ -80,15 +142,17 @@ class Engine:
         }
         self._members: dict[int, list[int]] = {0: list(range(backend.size))}
         self._next_set_id = 1
-        self._queue: list[Request] = []
+        self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
+        self._sleeping = False  # the engine waits on _cond: submitters must notify it
         self._done = threading.Condition()
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
-        self._next_handle = 0
+        self._handle_counter = itertools.count()
         self._shutdown_reason: str | None = None
         self._error: HorovodInternalError | None = None
         self._stopped = False
+        self._closed = False  # any of: shutdown asked, engine failed, engine stopped
         self._cycle = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
@@ -114,29 +178,53 @@ class Engine:
         return sorted(self._members)
 
     def enqueue(self, requests: list[Request]) -> list[int]:
-        """Hand requests to the engine; returns their handles. Raises on duplicate names."""
-        with self._cond:
+        """Hand requests to the engine, all or none; returns their handles. Raises on duplicate
+        names."""
+        if self._closed:
             self._raise_if_stopped()
-            keys = set()
-            for req in requests:
-                key = (req.process_set_id, req.name)
-                if key in self._inflight or key in keys:
-                    raise ValueError(
-                        "Requested to allreduce, allgather, or broadcast a tensor with the same "
-                        "name as another tensor that is currently being processed.  If you want "
-                        f"to request another tensor, use a different tensor name. [{req.name}]"
-                    )
-                if req.process_set_id not in self._members:
-                    raise ValueError(f"process set {req.process_set_id} does not exist")
-                keys.add(key)
-            for req in requests:
-                self._inflight[(req.process_set_id, req.name)] = req
-                req.handle = self._next_handle
-                self._handles[self._next_handle] = req
-                self._next_handle += 1
-            self._queue.extend(requests)
-            self._cond.notify()
-        return [req.handle for req in requests]
+        for i, req in enumerate(requests):
+            try:
+                self._claim(req)
+            except ValueError:
+                self._forget(requests[:i])
+                raise
+        return [self._push(req) for req in requests]
+
+    def submit(self, req: Request) -> int:
+        """:meth:`enqueue` of one request: the path every gradient takes, hence inlined.
+
+        No lock here: the GIL makes ``dict.setdefault``, ``deque.append`` and ``next(count)``
+        atomic, and the engine thread is woken only when it sleeps.
+        """
+        if self._closed:
+            self._raise_if_stopped()
+        if req.process_set_id not in self._members:
+            raise ValueError(f"process set {req.process_set_id} does not exist")
+        if self._inflight.setdefault(req.key, req) is not req:
+            raise ValueError(_DUPLICATE.format(req.name))
+        return self._push(req)
+
+    def _claim(self, req: Request) -> None:
+        if req.process_set_id not in self._members:
+            raise ValueError(f"process set {req.process_set_id} does not exist")
+        if self._inflight.setdefault(req.key, req) is not req:
+            raise ValueError(_DUPLICATE.format(req.name))
+
+    def _push(self, req: Request) -> int:
+        req.handle = handle = next(self._handle_counter)
+        self._handles[handle] = req
+        self._queue.append(req)
+        if self._sleeping:
+            with self._cond:
+                self._sleeping = False
+                self._cond.notify()
+        if self._stopped:  # stopped meanwhile: nobody else will complete it
+            self._fail_leftovers()
+        return handle
+
+    def _forget(self, requests: list[Request]) -> None:
+        for req in requests:
+            self._inflight.pop(req.key, None)
 
     def request(self, handle: int) -> Request:
         try:
@@ -149,12 +237,14 @@ class Engine:
 
     def wait(self, handle: int) -> Request:
         """Block until the handle completes; forget it; raise its error if it failed."""
-        req = self.request(handle)
+        req = self._handles.get(handle)
+        if req is None:
+            raise ValueError(f"handle {handle} was not created or has been cleared")
         if not req.done:
             with self._done:
                 while not req.done:
                     self._done.wait(1.0)
-        self._handles.pop(handle, None)
+        del self._handles[handle]
         if req.error is not None:
             raise req.error
         return req
@@ -164,6 +254,7 @@ class Engine:
         with self._cond:
             if self._shutdown_reason is None:
                 self._shutdown_reason = reason or ""
+                self._closed = True
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
@@ -183,13 +274,23 @@ class Engine:
         idle_s = self.settings.cycle_time_ms / 1000.0
         try:
             while True:
-                with self._cond:
-                    if not self._queue and self._shutdown_reason is None:
-                        self._cond.wait(idle_s)
-                    new, self._queue = self._queue, []
-                    reason = self._shutdown_reason
-                for req in new:
-                    self._admit(req)
+                if not self._queue and self._shutdown_reason is None:
+                    with self._cond:
+                        self._sleeping = True  # set before looking: see enqueue
+                        if not self._queue and self._shutdown_reason is None:
+                            self._cond.wait(idle_s)
+                        self._sleeping = False
+                reason = self._shutdown_reason
+                queue, sets, tl = self._queue, self._sets, self.timeline
+                while queue:
+                    req = queue.popleft()
+                    ps = sets.get(req.process_set_id)
+                    if ps is None or req.signature.kind == "join":
+                        self._admit(req)
+                    else:
+                        ps.pending[req.name] = req
+                        if tl is not None:
+                            tl.negotiate_start(req.name, req.signature.kind)
                 self._cycle += 1
                 if self.timeline is not None and self.settings.timeline_mark_cycles:
                     self.timeline.mark_cycle()
@@ -207,6 +308,7 @@ class Engine:
             self._stop()
 
     def _admit(self, req: Request) -> None:
+        """The uncommon admissions: a join, or a set this rank is not a member of."""
         ps = self._sets.get(req.process_set_id)
         if ps is None:
             self._complete(req, error=ValueError(
@@ -215,31 +317,25 @@ class Engine:
         if req.kind == "join":
             ps.join_request = req
             ps.join_cycle = self._cycle
-            return
-        ps.pending[req.name] = req
-        if self.timeline is not None:
-            self.timeline.negotiate_start(req.name, req.kind)
 
     def _cycle_set(self, ps: ProcessSetState, shutdown_reason: str | None) -> bool:
         """One negotiation and execution round on ``ps``; True when the engine must stop."""
-        backend, cache = ps.backend, ps.cache
+        backend, cache, pending = ps.backend, ps.cache, ps.pending
         or_flags, bits = 0, 0
         joined = ps.join_request is not None
         if joined:
             bits = cache.valid_bits()
-        oldest = None
-        for name, req in ps.pending.items():
-            bit = cache.bit(name, req.signature)
-            if bit is None:
-                or_flags |= FLAG_UNCACHED
+        entries = cache.entries
+        for name, req in pending.items():
+            entry = entries.get(name)
+            if entry is not None and (entry[1] is req.signature or entry[1] == req.signature):
+                bits |= 1 << entry[0]
             else:
-                bits |= 1 << bit
-            if oldest is None or req.submitted_at < oldest:
-                oldest = req.submitted_at
-        now = time.monotonic()
+                or_flags |= FLAG_UNCACHED
         settings = self.settings
-        if oldest is not None:
-            age = now - oldest
+        if pending:
+            now = time.monotonic()
+            age = now - next(iter(pending.values())).submitted_at  # admitted oldest first
             if (settings.stall_check and age > settings.stall_check_time_s
                     and now - ps.last_stall_report > settings.stall_check_time_s):
                 or_flags |= FLAG_STALL
@@ -252,30 +348,42 @@ class Engine:
         or_all, and_all, ready_bits = unpack_words(words)
         all_joined = bool(and_all & FLAG_JOINED)
 
-        responses = []
-        if not all_joined:
-            for bit in iter_bits(ready_bits):
-                name = cache.name(bit)
-                responses.append((cache.signature(name), ps.pending.pop(name, None)))
+        plan, reqs = None, []
+        if ready_bits and not all_joined:
+            plan = ps.cached_plan(ready_bits, settings.fusion_threshold)
+            pop = pending.pop
+            reqs = [pop(name, None) for name in plan.names]
         stop = False
         if or_all & _FULL:
-            stop = self._full_negotiation(ps, or_all, shutdown_reason, responses)
-        self._execute(ps, responses)
+            names, sigs = (list(plan.names), list(plan.sigs)) if plan is not None else ([], [])
+            stop = self._full_negotiation(ps, or_all, shutdown_reason, names, sigs, reqs)
+            if len(names) > (len(plan.names) if plan is not None else 0):
+                plan = Plan(names, sigs, settings.fusion_threshold)
+                reqs = [reqs[i] for i in plan.order]
+        if plan is not None:
+            self._execute(ps, plan, reqs)
         if all_joined:
             self._finish_join(ps)
         with self._done:
             self._done.notify_all()
         return stop
 
-    def _full_negotiation(self, ps, or_all, shutdown_reason, responses) -> bool:
+    def _full_negotiation(self, ps, or_all, shutdown_reason, names, sigs, reqs) -> bool:
+        """Exchange every pending (name, signature); the newly agreed ones are appended to
+        ``names``, ``sigs`` and ``reqs``. True when the engine must stop."""
         backend, cache = ps.backend, ps.cache
         mine = [(name, req.signature) for name, req in ps.pending.items()]
         gathered = backend.allgather_object((mine, ps.join_request is not None, shutdown_reason))
         joined = {r for r, g in enumerate(gathered) if g[1]}
         agreement = match([g[0] for g in gathered], joined, ps.ranks)
         for name, sig in agreement.ready:
+            req = ps.pending.pop(name, None)
+            if req is not None and req.signature == sig:
+                sig = req.signature  # the interned one, so that later cycles compare identity
             cache.put(name, sig)
-            responses.append((sig, ps.pending.pop(name, None)))
+            names.append(name)
+            sigs.append(sig)
+            reqs.append(req)
         for name, message in agreement.errors:
             cache.evict(name)
             req = ps.pending.pop(name, None)
@@ -307,30 +415,17 @@ class Engine:
             return True
         return False
 
-    def _execute(self, ps: ProcessSetState, responses) -> None:
-        if not responses:
-            return
-        backend = ps.backend
-        reductions, gathers, others = [], [], []
-        for sig, req in responses:
-            if sig.kind == "allreduce" and sig.op != Adasum:
-                reductions.append((sig, req))
-            elif sig.kind == "allgather":
-                gathers.append((sig, req))
+    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None]) -> None:
+        backend, tl = ps.backend, self.timeline
+        for activity, start, stop, fused in plan.steps:
+            sigs, group = plan.sigs[start:stop], reqs[start:stop]
+            if fused is not None:
+                fn = functools.partial(fused, backend, group)
+            elif activity == "ALLGATHER":
+                fn = functools.partial(allgather_group, backend, list(zip(sigs, group)))
             else:
-                others.append((sig, req))
-        tl = self.timeline
-        for group in group_allreduces(reductions, max(self.settings.fusion_threshold, 1)):
-            self._run_group(backend, group, tl, "ALLREDUCE",
-                            lambda g=group: allreduce_group(backend, g))
-        for device in (False, True):
-            subset = [(sig, req) for sig, req in gathers if sig.device == device]
-            if subset:
-                self._run_group(backend, subset, tl, "ALLGATHER",
-                                lambda g=subset: allgather_group(backend, g))
-        for sig, req in others:
-            self._run_group(backend, [(sig, req)], tl, sig.kind.upper(),
-                            lambda s=sig, r=req: self._execute_one(ps, s, r))
+                fn = functools.partial(self._execute_one, ps, sigs[0], group[0])
+            self._run_group(backend, sigs[0].device, group, tl, activity, fn)
 
     def _execute_one(self, ps: ProcessSetState, sig, req) -> None:
         backend = ps.backend
@@ -364,17 +459,18 @@ class Engine:
         else:  # pragma: no cover - guarded at submission
             raise ValueError(f"unknown collective {sig.kind}")
 
-    def _run_group(self, backend, group, tl, activity, fn) -> None:
-        if group[0][0].device:
+    def _run_group(self, backend, device: bool, group: list[Request | None], tl, activity: str,
+                   fn) -> None:
+        if device:
             fn = self._on_device_stream(backend, group, fn)
         if tl is not None:
-            for _, req in group:
+            for req in group:
                 if req is not None:
                     tl.negotiate_end(req.name)
                     tl.op_start(req.name, activity)
         try:
             if tl is not None:
-                with tl.activity([r.name for _, r in group if r is not None], activity):
+                with tl.activity([r.name for r in group if r is not None], activity):
                     fn()
             else:
                 fn()
@@ -383,15 +479,17 @@ class Engine:
             # failing, after which the communicator cannot be trusted: stop everywhere.
             error = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
                 f"{activity.lower()} failed: {type(exc).__name__}: {exc}")
-            for _, req in group:
+            for req in group:
                 if req is not None:
                     self._complete(req, error=error)
             raise error from exc
-        for _, req in group:
+        forget = self._inflight.pop
+        for req in group:
             if req is not None:
                 if tl is not None:
                     tl.op_end(req.name)
-                self._complete(req)
+                forget(req.key, None)
+                req.done = True
         with self._done:
             self._done.notify_all()
 
@@ -403,7 +501,7 @@ class Engine:
         def run() -> None:
             activate = getattr(backend, "activate", contextlib.nullcontext)
             with activate():
-                for _, req in group:
+                for req in group:
                     if req is not None and req.ready_event is not None:
                         if hasattr(backend, "wait_for"):
                             backend.wait_for(req.ready_event)
@@ -411,7 +509,7 @@ class Engine:
                             req.ready_event.synchronize()
                 fn()
                 done = backend.done_event() if hasattr(backend, "done_event") else None
-            for _, req in group:
+            for req in group:
                 if req is not None:
                     req.done_event = done
 
@@ -426,14 +524,24 @@ class Engine:
 
     def _complete(self, req: Request, error: BaseException | None = None) -> None:
         req.error = error
-        self._inflight.pop((req.process_set_id, req.name), None)
+        self._inflight.pop(req.key, None)
         req.done = True
 
+    def _fail_leftovers(self) -> None:
+        """Complete with the engine's error whatever was enqueued after it stopped."""
+        error = self._error or HorovodInternalError(SHUT_DOWN)
+        while self._queue:
+            req = self._queue.popleft()
+            if not req.done:
+                self._complete(req, error=HorovodInternalError(str(error)))
+        with self._done:
+            self._done.notify_all()
+
     def _stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            leftovers = list(self._queue)
-            self._queue = []
+        self._stopped = self._closed = True
+        leftovers = []
+        while self._queue:
+            leftovers.append(self._queue.popleft())
         error = self._error or HorovodInternalError(SHUT_DOWN)
         for ps in self._sets.values():
             leftovers.extend(ps.pending.values())

@@ -1,4 +1,4 @@
-"""Allreduce of a group of agreed tensors through one fusion buffer and one backend call.
+"""Allreduce of groups of agreed tensors through one fusion buffer and one backend call each.
 
 Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
@@ -92,82 +92,104 @@ def _scale_inplace(buf: np.ndarray, factor: float) -> None:
         _scale_into(buf, factor, buf)
 
 
-def allreduce_group(backend, group: list[tuple[Signature, Request | None]]) -> None:
-    """Reduce every tensor of ``group`` (same dtype, op and scale factors) in one call.
+class FusedAllreduce:
+    """Allreduce of a group of agreed tensors (same dtype, op and scale factors) through one
+    fusion buffer and one backend call.
 
-    A ``None`` request is a joined rank's share: it contributes zeros.
+    The per-tensor layout (shapes and offsets in the buffer) is computed once, when the engine
+    first plans this set of tensors; a training step that submits the same gradients again
+    reuses it, so what is left per tensor is handing its array to the native pack and taking
+    its result view back.
     """
-    sig = group[0][0]
-    dtype = np.dtype(sig.dtype)
-    op = Sum if sig.op == Average else sig.op
-    wire = wire_dtype(dtype, sig.op, sig.device)
-    pre, post = scale_factors(sig, backend.size)
-    if sig.device:
-        _allreduce_device_group(backend, group, dtype, op, pre, post)
-        return
-    if len(group) == 1 and wire == dtype and group[0][1] is not None:
-        _reduce_one(backend, group[0][1], op, pre, post)
-        return
-    sizes = [math.prod(s.shape) for s, _ in group]
-    buf = pool.empty((sum(sizes),), wire)
-    parts = [req.tensor.reshape(-1) if req is not None else np.zeros(n, dtype)
-             for (_, req), n in zip(group, sizes)]
-    # One call packs the whole group, scaling and widening on the way.
-    if _native is not None and (pre == 1.0 or dtype.kind == "f"):
-        _native.pack(parts, buf, pre)
-    else:
-        np.concatenate(parts, out=buf, casting="unsafe")
-        _scale_inplace(buf, pre)
-    backend.allreduce(buf, op)
-    _scale_inplace(buf, post)
-    if wire == dtype and all(req is None or req.output is None for _, req in group):
-        offset = 0
-        for (s, req), n in zip(group, sizes):
-            if req is not None:
-                req.result = buf[offset:offset + n].reshape(s.shape)
+
+    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat")
+
+    def __init__(self, sigs: list[Signature]):
+        self.sig = sigs[0]
+        self.shapes = [s.shape for s in sigs]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        self.bounds, offset = [], 0
+        for n in self.sizes:
+            self.bounds.append((offset, offset + n))
             offset += n
-        return
-    outputs = []
-    for (s, req), n in zip(group, sizes):
-        if req is None:
-            outputs.append(np.empty(n, dtype))  # a joined rank's share: discarded
+        self.total = offset
+        self.flat = all(len(shape) == 1 for shape in self.shapes)
+
+    def __call__(self, backend, reqs: list[Request | None]) -> None:
+        """Reduce ``reqs`` (in this group's order). A ``None`` request is a joined rank's
+        share: it contributes zeros."""
+        sig = self.sig
+        dtype = np.dtype(sig.dtype)
+        op = Sum if sig.op == Average else sig.op
+        wire = wire_dtype(dtype, sig.op, sig.device)
+        pre, post = scale_factors(sig, backend.size)
+        if sig.device:
+            _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
+            return
+        joined = None in reqs
+        if len(reqs) == 1 and wire == dtype and not joined:
+            _reduce_one(backend, reqs[0], op, pre, post)
+            return
+        buf = pool.empty((self.total,), wire)
+        if joined:
+            parts = [req.tensor if req is not None else np.zeros(n, dtype)
+                     for req, n in zip(reqs, self.sizes)]
         else:
-            req.result = req.output if req.output is not None else np.empty(s.shape, dtype)
-            outputs.append(req.result.reshape(-1))
-    if _native is not None:
-        _native.unpack(buf, outputs, 1.0)
-    else:
-        offset = 0
-        for out, n in zip(outputs, sizes):
-            out[...] = buf[offset:offset + n]
-            offset += n
+            parts = [req.tensor for req in reqs]
+        # One call packs the whole group, scaling and widening on the way.
+        if _native is not None and (pre == 1.0 or dtype.kind == "f"):
+            _native.pack(parts, buf, pre)
+        else:
+            np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
+            _scale_inplace(buf, pre)
+        backend.allreduce(buf, op)
+        _scale_inplace(buf, post)
+        if wire == dtype and all(req is None or req.output is None for req in reqs):
+            if self.flat:
+                for req, (a, b) in zip(reqs, self.bounds):
+                    if req is not None:
+                        req.result = buf[a:b]
+            else:
+                for req, (a, b), shape in zip(reqs, self.bounds, self.shapes):
+                    if req is not None:
+                        req.result = buf[a:b].reshape(shape)
+            return
+        outputs = []
+        for req, n, shape in zip(reqs, self.sizes, self.shapes):
+            if req is None:
+                outputs.append(np.empty(n, dtype))  # a joined rank's share: discarded
+            else:
+                req.result = req.output if req.output is not None else np.empty(shape, dtype)
+                outputs.append(req.result)
+        if _native is not None:
+            _native.unpack(buf, outputs, 1.0)
+        else:
+            for out, (a, b) in zip(outputs, self.bounds):
+                out.reshape(-1)[...] = buf[a:b]
 
 
-def _allreduce_device_group(backend, group, dtype, op, pre, post) -> None:
+def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:
     """The GPU version: the backend's reusable device fusion buffer, cupy kernels on the
     backend's stream (the engine makes it current), results copied out of the buffer into
     each request's output, since the buffer is reused by the next group."""
     import cupy
 
-    sizes = [math.prod(s.shape) for s, _ in group]
-    total = sum(sizes)
+    total = fused.total
     buf = (backend.fusion_buffer(dtype, total) if hasattr(backend, "fusion_buffer")
            else cupy.empty(total, dtype=dtype))[:total]
     parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
-             for (_, req), n in zip(group, sizes)]
+             for req, n in zip(reqs, fused.sizes)]
     cupy.concatenate(parts, out=buf)
     if pre != 1.0:
         cupy.multiply(buf, pre, out=buf, casting="unsafe")
     backend.allreduce(buf, op)
     if post != 1.0:
         cupy.multiply(buf, post, out=buf, casting="unsafe")
-    offset = 0
-    for (s, req), n in zip(group, sizes):
+    for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
         if req is not None:
-            out = req.output if req.output is not None else cupy.empty(s.shape, dtype)
-            out.reshape(-1)[...] = buf[offset:offset + n]
+            out = req.output if req.output is not None else cupy.empty(shape, dtype)
+            out.reshape(-1)[...] = buf[a:b]
             req.result = out
-        offset += n
 
 
 def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None:
@@ -185,12 +207,13 @@ def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None
     req.result = out
 
 
-def group_allreduces(entries: list[tuple[Signature, Request | None]], threshold: int):
-    """Split ready allreduces into fusable groups (same dtype/op/scales, at most ``threshold``
-    bytes each), keeping the agreed order inside each group."""
-    open_groups: dict[tuple, list] = {}  # key -> [bytes, items] of the group being filled
+def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int) -> list[list[int]]:
+    """Split ready allreduces (``indices`` into ``sigs``) into fusable groups (same dtype, op,
+    scales and device, at most ``threshold`` bytes each), keeping the agreed order inside each."""
+    open_groups: dict[tuple, list] = {}  # key -> [bytes, indices] of the group being filled
     order: list[list] = []
-    for sig, req in entries:
+    for i in indices:
+        sig = sigs[i]
         key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.device)
         nbytes = math.prod(sig.shape) * sig.dtype.itemsize
         current = open_groups.get(key)
@@ -198,6 +221,5 @@ def group_allreduces(entries: list[tuple[Signature, Request | None]], threshold:
             current = open_groups[key] = [0, []]
             order.append(current)
         current[0] += nbytes
-        current[1].append((sig, req))
+        current[1].append(i)
     return [items for _, items in order]
-

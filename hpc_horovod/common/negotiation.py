@@ -30,39 +30,44 @@ FLAG_JOINED = 1
 
 
 class ResponseCache:
-    """Name -> (bit, signature) for tensors already agreed on; identical on every rank."""
+    """Name -> (bit, signature) for tensors already agreed on; identical on every rank.
+
+    ``entries`` is read directly by the engine's per-tensor loop; ``generation`` changes
+    whenever a bit changes owner, which invalidates what was derived from bit sets.
+    """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._entries: dict[str, tuple[int, Signature]] = {}
+        self.generation = 0
+        self.entries: dict[str, tuple[int, Signature]] = {}
         self._names: list[str | None] = []
         self._free: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     @property
     def nwords(self) -> int:
         return (len(self._names) + 63) // 64
 
     def bit(self, name: str, signature: Signature) -> int | None:
-        entry = self._entries.get(name)
+        entry = self.entries.get(name)
         return entry[0] if entry is not None and entry[1] == signature else None
 
     def name(self, bit: int) -> str | None:
         return self._names[bit]
 
     def signature(self, name: str) -> Signature:
-        return self._entries[name][1]
+        return self.entries[name][1]
 
     def valid_bits(self) -> int:
         mask = 0
-        for bit, _ in self._entries.values():
+        for bit, _ in self.entries.values():
             mask |= 1 << bit
         return mask
 
     def put(self, name: str, signature: Signature) -> None:
-        entry = self._entries.get(name)
+        entry = self.entries.get(name)
         if entry is not None:
             if entry[1] == signature:
                 return
@@ -76,13 +81,15 @@ class ResponseCache:
         else:
             return
         self._names[bit] = name
-        self._entries[name] = (bit, signature)
+        self.entries[name] = (bit, signature)
+        self.generation += 1
 
     def evict(self, name: str) -> None:
-        entry = self._entries.pop(name, None)
+        entry = self.entries.pop(name, None)
         if entry is not None:
             self._names[entry[0]] = None
             self._free.append(entry[0])
+            self.generation += 1
 
 
 def pack_words(or_flags: int, and_flags: int, bits: int, nwords: int) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import basics
 from .basics import ProcessSet, global_process_set
-from .request import Request
+from .request import Request, control_signature, signature_of
 from .types import Average, Sum, check_dtype
 
 
@@ -43,6 +43,10 @@ def submit(requests: list[Request]) -> list[int]:
     return basics.engine().enqueue(requests)
 
 
+def submit_one(request: Request) -> int:
+    return basics.engine().submit(request)
+
+
 def _name(name: str | None, ps_id: int, kind: str) -> str:
     return name if name is not None else basics.next_name(ps_id, kind)
 
@@ -50,20 +54,24 @@ def _name(name: str | None, ps_id: int, kind: str) -> str:
 def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set, output=None) -> Request:
-    op = resolve_op(op, average)
-    check_dtype(array.dtype, "allreduce", op)
-    ps_id = _ps_id(process_set)
-    return Request("allreduce", _name(name, ps_id, "allreduce"), array, output=output, op=op,
-                   prescale=prescale_factor, postscale=postscale_factor, process_set_id=ps_id)
+    if op is None or average is not None:
+        op = resolve_op(op, average)
+    ps_id = process_set.process_set_id
+    if ps_id is None or name is None:
+        ps_id = _ps_id(process_set)
+        name = _name(name, ps_id, "allreduce")
+    sig = signature_of("allreduce", array, op, -1, prescale_factor, postscale_factor)
+    return Request(name, array, sig, ps_id, output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start an allreduce; returns a handle for ``poll``/``synchronize``. Default op: Average."""
-    req = allreduce_request(_array(tensor, "allreduce"), name=name, op=op, average=average,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                            process_set=process_set)
-    return submit([req])[0]
+    if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous:
+        tensor = _array(tensor, "allreduce")
+    return basics.engine().submit(allreduce_request(
+        tensor, name=name, op=op, average=average, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set))
 
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -78,10 +86,9 @@ def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, presc
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
             not tensor.flags.writeable:
         raise ValueError("in-place allreduce needs a writable C-contiguous numpy array")
-    req = allreduce_request(tensor, name=name, op=op, average=average,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                            process_set=process_set, output=tensor)
-    return submit([req])[0]
+    return basics.engine().submit(allreduce_request(
+        tensor, name=name, op=op, average=average, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, output=tensor))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -113,17 +120,17 @@ def grouped_allreduce(tensors: Sequence, average=None, name=None, op=None, presc
 
 
 def allgather_request(array: np.ndarray, *, name=None, process_set=global_process_set):
-    check_dtype(array.dtype, "allgather")
     if array.ndim == 0:
         array = array.reshape(1)
     ps_id = _ps_id(process_set)
-    return Request("allgather", _name(name, ps_id, "allgather"), array, process_set_id=ps_id)
+    return Request(_name(name, ps_id, "allgather"), array, signature_of("allgather", array),
+                   ps_id)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     """Concatenate every rank's tensor along dim 0 (dim 0 may differ between ranks)."""
-    return submit([allgather_request(_array(tensor, "allgather"), name=name,
-                                     process_set=process_set)])[0]
+    return submit_one(allgather_request(_array(tensor, "allgather"), name=name,
+                                        process_set=process_set))
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> np.ndarray:
@@ -144,16 +151,14 @@ def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_s
 def broadcast_request(array: np.ndarray, root_rank: int, *, name=None,
                       process_set=global_process_set, output=None) -> Request:
     """``root_rank`` is a global rank, as in Horovod; it must belong to ``process_set``."""
-    check_dtype(array.dtype, "broadcast")
     ps_id = _ps_id(process_set)
-    root = process_set.rank_of(root_rank)
-    return Request("broadcast", _name(name, ps_id, "broadcast"), array, output=output,
-                   root=root, process_set_id=ps_id)
+    sig = signature_of("broadcast", array, root=process_set.rank_of(root_rank))
+    return Request(_name(name, ps_id, "broadcast"), array, sig, ps_id, output)
 
 
 def broadcast_async(tensor, root_rank: int, name=None, process_set=global_process_set) -> int:
-    return submit([broadcast_request(_array(tensor, "broadcast"), root_rank, name=name,
-                                     process_set=process_set)])[0]
+    return submit_one(broadcast_request(_array(tensor, "broadcast"), root_rank, name=name,
+                                        process_set=process_set))
 
 
 def broadcast(tensor, root_rank: int, name=None, process_set=global_process_set) -> np.ndarray:
@@ -167,8 +172,8 @@ def broadcast_async_(tensor: np.ndarray, root_rank: int, name=None,
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
             not tensor.flags.writeable:
         raise ValueError("in-place broadcast needs a writable C-contiguous numpy array")
-    return submit([broadcast_request(tensor, root_rank, name=name, process_set=process_set,
-                                     output=tensor)])[0]
+    return submit_one(broadcast_request(tensor, root_rank, name=name, process_set=process_set,
+                                        output=tensor))
 
 
 def broadcast_(tensor, root_rank: int, name=None, process_set=global_process_set):
@@ -177,7 +182,7 @@ def broadcast_(tensor, root_rank: int, name=None, process_set=global_process_set
 
 def alltoall_request(array: np.ndarray, splits=None, *, name=None,
                      process_set=global_process_set) -> Request:
-    check_dtype(array.dtype, "alltoall")
+    check_dtype(array.dtype, "alltoall")  # before the shape checks below
     if array.ndim == 0:
         array = array.reshape(1)
     ps_id = _ps_id(process_set)
@@ -193,13 +198,13 @@ def alltoall_request(array: np.ndarray, splits=None, *, name=None,
     elif array.shape[0] % n:
         raise ValueError(f"alltoall: the first dimension ({array.shape[0]}) is not divisible "
                          f"by the number of ranks ({n}); pass splits")
-    return Request("alltoall", _name(name, ps_id, "alltoall"), array, splits=splits,
-                   process_set_id=ps_id)
+    return Request(_name(name, ps_id, "alltoall"), array, signature_of("alltoall", array),
+                   ps_id, splits=splits)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
-    return submit([alltoall_request(_array(tensor, "alltoall"), splits, name=name,
-                                    process_set=process_set)])[0]
+    return submit_one(alltoall_request(_array(tensor, "alltoall"), splits, name=name,
+                                       process_set=process_set))
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -219,16 +224,16 @@ def reducescatter_request(array: np.ndarray, *, name=None, op=None,
     if op == Adasum:
         raise ValueError("reducescatter does not support Adasum")
     ps_id = _ps_id(process_set)
-    return Request("reducescatter", _name(name, ps_id, "reducescatter"), array, op=op,
-                   prescale=prescale_factor, postscale=postscale_factor, process_set_id=ps_id)
+    sig = signature_of("reducescatter", array, op, -1, prescale_factor, postscale_factor)
+    return Request(_name(name, ps_id, "reducescatter"), array, sig, ps_id)
 
 
 def reducescatter_async(tensor, name=None, op=None, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
-    return submit([reducescatter_request(_array(tensor, "reducescatter"), name=name, op=op,
-                                         process_set=process_set,
-                                         prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor)])[0]
+    return submit_one(reducescatter_request(_array(tensor, "reducescatter"), name=name, op=op,
+                                            process_set=process_set,
+                                            prescale_factor=prescale_factor,
+                                            postscale_factor=postscale_factor))
 
 
 def reducescatter(tensor, name=None, op=None, process_set=global_process_set,
@@ -258,8 +263,8 @@ def grouped_reducescatter(tensors: Sequence, name=None, op=None, process_set=glo
 
 def barrier(process_set=global_process_set) -> None:
     ps_id = _ps_id(process_set)
-    synchronize(submit([Request("barrier", basics.next_name(ps_id, "barrier"),
-                                process_set_id=ps_id)])[0])
+    synchronize(submit_one(Request(basics.next_name(ps_id, "barrier"), None,
+                                   control_signature("barrier"), ps_id)))
 
 
 def join(device: int = -1, process_set=global_process_set) -> int:
@@ -268,7 +273,7 @@ def join(device: int = -1, process_set=global_process_set) -> int:
     Returns the rank that joined last (for uneven data: ranks with fewer batches join early).
     """
     ps_id = _ps_id(process_set)
-    return synchronize(submit([Request("join", "join", process_set_id=ps_id)])[0])
+    return synchronize(submit_one(Request("join", None, control_signature("join"), ps_id)))
 
 
 def poll(handle: int) -> bool:

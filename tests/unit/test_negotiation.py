@@ -21,7 +21,7 @@ from hpc_horovod.common.negotiation import (
     stall_message,
     unpack_words,
 )
-from hpc_horovod.common.request import Request
+from hpc_horovod.common.request import signature_of
 from hpc_horovod.common.types import (
     Adasum,
     Average,
@@ -35,11 +35,6 @@ from hpc_horovod.common.types import (
 
 def sig(kind="allreduce", dtype="float32", shape=(4,), op=Average, root=-1, pre=1.0, post=1.0):
     return Signature(kind, dtype, shape, op, root, pre, post)
-
-
-def signature_of(kind, array, **kw) -> Signature:
-    """The signature the API would negotiate for ``array``."""
-    return Request(kind, "t", array, **kw).signature
 
 
 # -- ResponseCache --------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def check_tensor(tensor, op_name: str) -> None:
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The CPU tensor the engine works on: ``tensor`` itself on the host, a host copy of a CUDA
     tensor (staged until a GPU backend reduces device memory directly)."""
-    if tensor.device.type == "cpu":
-        return tensor.detach()
+    if tensor.is_cpu:
+        return tensor.detach() if tensor.requires_grad else tensor
     return tensor.detach().to("cpu")
 
 
@@ -46,47 +46,56 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
     """A numpy array over ``tensor``'s memory (or over a contiguous host copy of it).
 
     ``inplace``: the engine will write the result into the array, so the tensor must be
-    contiguous (a copy would silently drop the result).
+    contiguous (a copy would silently drop the result). A contiguous CPU tensor always gets
+    a view of its own memory, which :func:`write_back` relies on.
     """
     check_tensor(tensor, op_name)
-    if inplace and not tensor.is_contiguous():
-        raise ValueError(f"Tensor is required to be contiguous for the in-place {op_name}: call "
-                         f"it on tensor.contiguous() and copy back, or use the out-of-place "
-                         f"{op_name.rstrip('_')}")
-    if tensor.device.type == "cuda" and tensor.dtype != torch.bfloat16 and \
-            basics.device_transport() != "host":
-        import cupy
+    if tensor.is_cpu and tensor.is_contiguous():  # the common case, kept short
+        host = tensor.detach() if tensor.requires_grad else tensor
+    else:
+        if inplace and not tensor.is_contiguous():
+            raise ValueError(f"Tensor is required to be contiguous for the in-place {op_name}: "
+                             f"call it on tensor.contiguous() and copy back, or use the "
+                             f"out-of-place {op_name.rstrip('_')}")
+        if tensor.is_cuda and tensor.dtype != torch.bfloat16 and \
+                basics.device_transport() != "host":
+            import cupy
 
-        return cupy.from_dlpack(tensor.detach().contiguous())
-    host = to_host(tensor)
-    if not host.is_contiguous():
-        host = host.contiguous()
+            return cupy.from_dlpack(tensor.detach().contiguous())
+        host = to_host(tensor)
+        if not host.is_contiguous():
+            host = host.contiguous()
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(bfloat16)
     return host.numpy()
 
 
-def to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device`` holding ``array`` (zero copy on the CPU and for GPU arrays)."""
+def to_torch(array: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """A tensor on ``device`` (None: the CPU) holding ``array`` (zero copy on the CPU and for
+    GPU arrays)."""
     if not isinstance(array, np.ndarray):
         return torch.from_dlpack(array)
     if array.dtype == bfloat16:
         tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
         tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device)
+    return tensor if device is None or device.type == "cpu" else tensor.to(device)
 
 
-def write_back(array: np.ndarray, target: torch.Tensor) -> torch.Tensor:
+def write_back(array: np.ndarray, target: torch.Tensor,
+               view: np.ndarray | None = None) -> torch.Tensor:
     """Make ``target`` hold the in-place result ``array``; a no-op when the engine already wrote
-    into ``target``'s own memory."""
+    into ``target``'s own memory: ``array`` is ``view``, the array :func:`engine_array` gave it
+    (checked first: it is free), or it starts at the tensor's address."""
+    if array is view and target.is_cpu:  # engine_array's view of a CPU tensor's memory
+        return target
     if not isinstance(array, np.ndarray):
         if array.data.ptr != target.data_ptr():
             with torch.no_grad():
                 target.copy_(torch.from_dlpack(array).view(target.shape))
         return target
-    if target.device.type == "cpu" and array.ctypes.data == target.data_ptr():
+    if target.is_cpu and array.ctypes.data == target.data_ptr():
         return target
     with torch.no_grad():
-        target.copy_(to_torch(array, torch.device("cpu")).view(target.shape))
+        target.copy_(to_torch(array).view(target.shape))
     return target

@@ -49,6 +49,25 @@ def _submit(requests: list) -> list[int]:
     return ops.submit(requests)
 
 
+def _submit_one(req) -> int:
+    """:func:`_submit` of one request, the path every gradient takes."""
+    if req.signature.device:
+        return _submit([req])[0]
+    return basics.engine().submit(req)
+
+
+def _result_on(tensor: torch.Tensor) -> Callable[[list], torch.Tensor]:
+    """How a one-tensor op turns its engine result back into a tensor on ``tensor``'s device."""
+    if tensor.is_cpu:
+        return _cpu_result
+    device = tensor.device
+    return lambda results: to_torch(results[0], device)
+
+
+def _cpu_result(results: list) -> torch.Tensor:
+    return to_torch(results[0])
+
+
 def _register(engine_handles: list[int], finish: Callable[[list], object]) -> int:
     handle = engine_handles[0]
     _handle_map[handle] = (engine_handles, finish)
@@ -74,11 +93,10 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    req = ops.allreduce_request(engine_array(tensor, "allreduce"), name=name,
-                                process_set=process_set,
-                                **_reduction(op, average, prescale_factor, postscale_factor))
-    device = tensor.device
-    return _register(_submit([req]), lambda results: to_torch(results[0], device))
+    req = ops.allreduce_request(engine_array(tensor, "allreduce"), name=name, op=op,
+                                average=average, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -86,9 +104,11 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    req = ops.allreduce_request(array, name=name, process_set=process_set, output=array,
-                                **_reduction(op, average, prescale_factor, postscale_factor))
-    return _register(_submit([req]), lambda results: write_back(results[0], tensor))
+    req = ops.allreduce_request(array, name=name, op=op, average=average,
+                                prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set,
+                                output=array)
+    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
 def allreduce_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -155,8 +175,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                                           output=array,
                                           **_reduction(op, average, prescale_factor,
                                                     postscale_factor)))
-    return _register(_submit(reqs),
-                     lambda results: [write_back(r, t) for r, t in zip(results, tensors)])
+    views = [req.output for req in reqs]
+    return _register(_submit(reqs), lambda results: [
+        write_back(r, t, v) for r, t, v in zip(results, tensors, views)])
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: str | None = None,
@@ -230,8 +251,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
     req = ops.allgather_request(engine_array(tensor, "allgather"), name=name,
                                 process_set=process_set)
-    device = tensor.device
-    return _register(_submit([req]), lambda results: to_torch(results[0], device))
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def _own_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
@@ -309,8 +329,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start a broadcast of ``root_rank``'s tensor (``tensor`` is not modified)."""
     req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank, name=name,
                                 process_set=process_set)
-    device = tensor.device
-    return _register(_submit([req]), lambda results: to_torch(results[0], device))
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -319,7 +338,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     array = engine_array(tensor, "broadcast_", inplace=True)
     req = ops.broadcast_request(array, root_rank, name=name, process_set=process_set,
                                 output=array)
-    return _register(_submit([req]), lambda results: write_back(results[0], tensor))
+    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -365,7 +384,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
         output, received = results[0]
         return to_torch(output, device), torch.from_numpy(received.astype(np.int32))
 
-    return _register(_submit([req]), finish)
+    return _register([_submit_one(req)], finish)
 
 
 class HorovodAlltoall(torch.autograd.Function):
@@ -408,8 +427,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
     req = ops.reducescatter_request(engine_array(tensor, "reducescatter"), name=name, op=op,
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
-    device = tensor.device
-    return _register(_submit([req]), lambda results: to_torch(results[0], device))
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def _reducescatter_grad(grad: torch.Tensor, op, prescale: float, postscale: float,
@@ -502,22 +520,26 @@ def synchronize(handle: int):
     ``(output, received_splits)`` for alltoall). Raises ``HorovodInternalError`` on failure."""
     engine_handles, finish = _entry(handle)
     del _handle_map[handle]
-    results, error = [], None
     engine = basics.engine()
+    if len(engine_handles) == 1:  # the common case, kept short
+        return finish([_result(engine.wait(engine_handles[0]))])
+    results, error = [], None
     for engine_handle in engine_handles:
         try:
-            req = engine.wait(engine_handle)
+            results.append(_result(engine.wait(engine_handle)))
         except BaseException as exc:  # wait for the whole group before raising
             error = error or exc
-            continue
-        if req.done_event is not None:  # GPU result: order torch's stream after the engine's
-            from ..backends.nccl import stream_wait
-
-            stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
-        results.append(req.result)
     if error is not None:
         raise error
     return finish(results)
+
+
+def _result(req):
+    if req.done_event is not None:  # GPU result: order torch's stream after the engine's
+        from ..backends.nccl import stream_wait
+
+        stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
+    return req.result
 
 
 def join(device: int = -1) -> int:

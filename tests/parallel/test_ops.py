@@ -91,3 +91,9 @@ def test_init_starts_mpi_that_mpi4py_did_not_start(mpirun, tmp_path):
     script.write_text(SCRIPT_AFTER_CHECK_BUILD)
     proc = mpirun(2, script, timeout=60)  # and exits cleanly: MPI is finalized at exit
     assert_every_rank_says(proc, 2, "started MPI itself")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_repeated_steps_reuse_and_replace_execution_plans(mpirun, ranks):
+    proc = mpirun(ranks, HERE / "steps_worker.py", timeout=120)
+    assert_every_rank_says(proc, ranks, "steps ok")

@@ -1,8 +1,9 @@
 """The background thread that owns every collective after ``init``.
 
 Callers enqueue :class:`Request` objects and get handles back at once. The engine thread wakes as
-soon as something is enqueued (or every ``HOROVOD_CYCLE_TIME`` ms while idle, since peers may
-need it), and for each process set this rank belongs to, in id order, runs one cycle:
+soon as something is enqueued (and, since peers may need it, every ``HOROVOD_CYCLE_TIME`` ms
+while busy, backing off to ``IDLE_MAX_S`` while every rank is idle), and for each process set
+this rank belongs to, in id order, runs one cycle:
 
 1. negotiate (``negotiation``): which pending names are ready on every rank;
 2. execute the agreed ones: allreduces fused per (dtype, op, scales) (``fusion``), the other
@@ -55,6 +56,8 @@ from .types import Adasum, Signature
 
 log = logging.getLogger("hpc_horovod")
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
+#: the longest an idle engine waits between cycles (see Engine._run)
+IDLE_MAX_S = 0.05
 _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
               "another tensor that is currently being processed.  If you want to request "
               "another tensor, use a different tensor name. [{}]")
@@ -153,6 +156,7 @@ class Engine:
         self._error: HorovodInternalError | None = None
         self._stopped = False
         self._closed = False  # any of: shutdown asked, engine failed, engine stopped
+        self._worked = False  # the current cycle had something to do, here or on a peer
         self._cycle = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
@@ -271,7 +275,7 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        idle_s = self.settings.cycle_time_ms / 1000.0
+        cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
         try:
             while True:
                 if not self._queue and self._shutdown_reason is None:
@@ -294,11 +298,16 @@ class Engine:
                 self._cycle += 1
                 if self.timeline is not None and self.settings.timeline_mark_cycles:
                     self.timeline.mark_cycle()
+                self._worked = False
                 if self._cycle_set(self._sets[0], reason):
                     break
                 for ps_id in sorted(self._sets):
                     if ps_id != 0 and ps_id in self._sets:
                         self._cycle_set(self._sets[ps_id], None)
+                # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
+                # back off so that an idle engine does not take the GIL from the training
+                # thread a thousand times a second. A submission wakes it at once anyway.
+                idle_s = cycle_s if self._worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
         except HorovodInternalError as exc:
             self._error = exc
         except BaseException as exc:  # an MPI error or a bug: never leave callers hanging
@@ -323,6 +332,8 @@ class Engine:
         backend, cache, pending = ps.backend, ps.cache, ps.pending
         or_flags, bits = 0, 0
         joined = ps.join_request is not None
+        if pending or joined:
+            self._worked = True
         if joined:
             bits = cache.valid_bits()
         entries = cache.entries
@@ -349,6 +360,8 @@ class Engine:
         all_joined = bool(and_all & FLAG_JOINED)
 
         plan, reqs = None, []
+        if ready_bits or or_all:
+            self._worked = True  # peers are busy: stay responsive
         if ready_bits and not all_joined:
             plan = ps.cached_plan(ready_bits, settings.fusion_threshold)
             pop = pending.pop

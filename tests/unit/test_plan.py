@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hpc_horovod.common.engine import Plan
+from hpc_horovod.common.fusion import SOLO_BYTES
 from hpc_horovod.common.request import signature_of
 from hpc_horovod.common.types import Adasum, Average, Sum
 
@@ -55,3 +56,10 @@ def test_signatures_are_interned_and_checked_once():
     assert signature_of("allgather", np.zeros((5, 2), np.int32)).shape == (-1, 2)
     with pytest.raises(ValueError, match="does not support dtype complex64"):
         signature_of("allreduce", np.zeros(3, np.complex64), Sum)
+
+
+def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
+    small, large = np.zeros(16, np.float32), np.zeros(SOLO_BYTES // 4, np.float32)
+    sigs = [signature_of("allreduce", a, Sum) for a in (small, large, small, large)]
+    plan = Plan(["a", "b", "c", "d"], sigs, threshold=64 << 20)
+    assert [plan.order[start:stop] for _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]

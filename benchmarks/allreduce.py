@@ -94,7 +94,10 @@ def fmt_time(seconds: float) -> str:
 
 class Timer:
     """Collective timing of competing cases, interleaved repetition by repetition so that a
-    burst of load from elsewhere on the machine hits every case alike."""
+    burst of load from elsewhere on the machine hits every case alike, in an order rotated at
+    every repetition. Every case's setup
+    rewrites its inputs (in-place cases need it; the others get it too), so that all of them
+    start with their inputs in cache alike."""
 
     def __init__(self, comm: MPI.Comm, seconds_per_point: float, min_reps: int, max_reps: int):
         self.comm = comm
@@ -127,8 +130,11 @@ class Timer:
         reps = int(min(self.max_reps, max(self.min_reps, budget / max(slowest_first, 1e-9))))
         local = np.empty((reps, len(names)))
         for r in range(reps):
-            for j, name in enumerate(names):
-                local[r, j] = self._once(*cases[name])
+            # Rotate the order: the case that runs right after a slow one (gloo) starts with
+            # cold caches, and that must not always be the same case.
+            for k in range(len(names)):
+                j = (r + k) % len(names)
+                local[r, j] = self._once(*cases[names[j]])
         slowest = np.max(np.array(self.comm.allgather(local)), axis=0)
         return {name: (float(np.median(slowest[:, j])), reps)
                 for j, name in enumerate(names)}, errors
@@ -216,27 +222,28 @@ class Contenders:
             np.copyto(x, fill)
 
         cases = {
-            "hvd numpy": (lambda: hvd.allreduce(x, op=hvd.Sum, name=f"np.{tag}"), None),
+            "hvd numpy": (lambda: hvd.allreduce(x, op=hvd.Sum, name=f"np.{tag}"), refill),
             "hvd numpy in-place": (lambda: hvd.allreduce_(x, op=hvd.Sum, name=f"ip.{tag}"),
                                    refill),
         }
         if self.hvd_torch is not None:
             t = self._tensor(x)
             cases["hvd torch"] = (
-                lambda: self.hvd_torch.allreduce(t, op=hvd.Sum, name=f"t.{tag}"), None)
+                lambda: self.hvd_torch.allreduce(t, op=hvd.Sum, name=f"t.{tag}"), refill)
         op = self._mpi_sum(x.dtype)
         if op is not None:
             out = np.empty_like(x)
             send, recv = self._mpi_buffer(x), self._mpi_buffer(out)
             cases[BASELINE] = (lambda: self.comm.Allreduce(MPI.IN_PLACE, send, op=op), refill)
-            cases["mpi4py out-of-place"] = (lambda: self.comm.Allreduce(send, recv, op=op), None)
+            cases["mpi4py out-of-place"] = (lambda: self.comm.Allreduce(send, recv, op=op),
+                                            refill)
         if self.dist is not None:
             t = self._tensor(x)
             cases["gloo"] = (lambda: self.dist.all_reduce(t), refill)
         if self.horovod is not None:
             t = self._tensor(x)
             cases["horovod"] = (
-                lambda: self.horovod.allreduce(t, op=self.horovod.Sum, name=f"h.{tag}"), None)
+                lambda: self.horovod.allreduce(t, op=self.horovod.Sum, name=f"h.{tag}"), refill)
         return cases
 
     def small_tensors(self, xs: list[np.ndarray], tag: str) -> dict[str, tuple]:
@@ -256,7 +263,7 @@ class Contenders:
 
         cases = {
             "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name="np" + n)),
-                          None),
+                          refill),
             "hvd numpy in-place": (
                 ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
         }
@@ -268,7 +275,7 @@ class Contenders:
                            for t, n in zip(ts, names)]
                 for h in handles:
                     self.hvd_torch.synchronize(h)
-            cases["hvd torch"] = (torch_run, None)
+            cases["hvd torch"] = (torch_run, refill)
         op = self._mpi_sum(xs[0].dtype)
         if op is not None:
             flat = np.concatenate(xs)
@@ -295,7 +302,7 @@ class Contenders:
                            for t, n in zip(ts, names)]
                 for h in handles:
                     self.horovod.synchronize(h)
-            cases["horovod"] = (horovod_run, None)
+            cases["horovod"] = (horovod_run, refill)
         return cases
 
     def close(self) -> None:

@@ -1,9 +1,12 @@
 """``hpc-horovod run``: start N processes of a script with sane MPI defaults.
 
 Outside SLURM it wraps the MPI launcher found on PATH (Open MPI's ``mpirun``, or MPICH/Intel
-Hydra's ``mpiexec``) with: no core binding (a rank's threads use every core it has), ranks mapped
-by slot, ``--oversubscribe`` when more ranks than cores are asked for on this machine, the root
-flags when run as root, output tagged with the rank, and the ``HOROVOD_*`` variables forwarded.
+Hydra's ``mpiexec``) with: on this machine, each rank bound to its own equal share of the
+physical cores (``--map-by slot:PE=n --bind-to core``: a rank's engine thread then hands the GIL
+over on a warm core, and torch's thread pool sizes itself to the share), no binding with
+``--oversubscribe`` when there are more ranks than cores, and no binding on other hosts (their
+cores are not known here); the root flags when run as root, output tagged with the rank, and the
+``HOROVOD_*`` variables forwarded.
 Inside a SLURM allocation it uses ``srun`` instead, which knows the allocation's nodes.
 """
 
@@ -66,8 +69,35 @@ def _hostfile_line(line: str, where: str) -> list[tuple[str, int]]:
     return [(host, int(slots or 1))]
 
 
-def build_command(args, env=None) -> list[str]:
-    """The launcher command line for ``args`` (pure, so tests can check every flag)."""
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthreads of one core count once)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, \
+                    open(f"{topology}/core_id") as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(len(cores), 1)
+
+
+def _binding(np_: int, hosts: list, cores: int) -> list[str]:
+    if hosts:
+        return ["--bind-to", "none", "--map-by", "slot"]
+    if np_ > cores:
+        return ["--bind-to", "none", "--map-by", "slot", "--oversubscribe"]
+    return ["--map-by", f"slot:PE={cores // np_}", "--bind-to", "core"]
+
+
+def build_command(args, env=None, cores: int | None = None) -> list[str]:
+    """The launcher command line for ``args`` (pure but for the core count, which tests may
+    pass, so that they can check every flag)."""
     env = os.environ if env is None else env
     if args.np < 1:
         raise ValueError(f"-np must be at least 1, got {args.np}")
@@ -86,10 +116,10 @@ def build_command(args, env=None) -> list[str]:
     hosts = _hosts(args)
     cmd = [launcher, "-np", str(args.np)]
     if flavour == "openmpi":
-        local_slots = sum(s for _, s in hosts) if hosts else (os.cpu_count() or 1)
-        cmd += ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
-        if args.np > local_slots:
+        cmd += _binding(args.np, hosts, physical_cores() if cores is None else cores)
+        if hosts and args.np > sum(s for _, s in hosts):
             cmd.append("--oversubscribe")
+        cmd.append("--tag-output")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         if hosts:

@@ -26,8 +26,8 @@ def parse(*argv: str):
     return cli.build_parser().parse_args(["run", *argv])
 
 
-def command(*argv: str, env: dict | None = None) -> list[str]:
-    return launch.build_command(parse(*argv), {} if env is None else env)
+def command(*argv: str, env: dict | None = None, cores: int | None = None) -> list[str]:
+    return launch.build_command(parse(*argv), {} if env is None else env, cores)
 
 
 def clean_env(extra: dict | None = None) -> dict:
@@ -47,20 +47,34 @@ def test_mpi_flavour_of_something_that_is_not_a_launcher():
     assert launch.mpi_flavour(shutil.which("true")) == "unknown"
 
 
-def test_local_open_mpi_flags():
-    cmd = command("-np", "2", "python", "train.py", "--epochs", "3")
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_local_ranks_get_equal_shares_of_the_cores():
+    cmd = command("-np", "2", "python", "train.py", "--epochs", "3", cores=8)
     assert cmd[:3] == [MPIRUN, "-np", "2"]
-    flags = cmd[3:-4]
-    for pair in (["--bind-to", "none"], ["--map-by", "slot"]):
-        i = flags.index(pair[0])
-        assert flags[i:i + 2] == pair
-    assert "--tag-output" in flags
+    assert flag(cmd, "--map-by") == "slot:PE=4" and flag(cmd, "--bind-to") == "core"
+    assert "--tag-output" in cmd and "--oversubscribe" not in cmd
     assert cmd[-4:] == ["python", "train.py", "--epochs", "3"]
+    assert flag(command("-np", "3", "x.py", cores=8), "--map-by") == "slot:PE=2"
+    assert flag(command("-np", "2", "x.py", cores=2), "--map-by") == "slot:PE=1"
 
 
-def test_more_ranks_than_cores_oversubscribe():
-    cmd = command("-np", str((os.cpu_count() or 1) + 3), "python", "train.py")
-    assert "--oversubscribe" in cmd
+def test_more_ranks_than_cores_oversubscribe_unbound():
+    cmd = command("-np", "5", "python", "train.py", cores=4)
+    assert "--oversubscribe" in cmd and flag(cmd, "--bind-to") == "none"
+    assert flag(cmd, "--map-by") == "slot"
+
+
+def test_other_hosts_are_not_bound():
+    cmd = command("-np", "4", "-H", "a:2,b:2", "python", "train.py", cores=64)
+    assert flag(cmd, "--bind-to") == "none" and "--oversubscribe" not in cmd
+    assert "--oversubscribe" in command("-np", "5", "-H", "a:2,b:2", "x.py", cores=64)
+
+
+def test_physical_cores_counts_this_machine():
+    assert 1 <= launch.physical_cores() <= (os.cpu_count() or 1)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root flag is only added for root")

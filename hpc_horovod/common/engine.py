@@ -366,6 +366,8 @@ class Engine:
             plan = ps.cached_plan(ready_bits, settings.fusion_threshold)
             pop = pending.pop
             reqs = [pop(name, None) for name in plan.names]
+            if cache.tracks_use:
+                cache.touch(plan.names)
         stop = False
         if or_all & _FULL:
             names, sigs = (list(plan.names), list(plan.sigs)) if plan is not None else ([], [])

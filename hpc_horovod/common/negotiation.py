@@ -67,11 +67,16 @@ class ResponseCache:
         return mask
 
     def put(self, name: str, signature: Signature) -> None:
+        """Cache ``name``; when full, the least recently used name makes room (as Horovod's
+        cache does), so that a model with more tensors than the capacity keeps the recent
+        ones cached instead of freezing the first ones in."""
         entry = self.entries.get(name)
         if entry is not None:
             if entry[1] == signature:
                 return
             self.evict(name)
+        if not self._free and len(self._names) >= self.capacity and self.entries:
+            self.evict(next(iter(self.entries)))  # dicts keep order: the first is the oldest
         if self._free:
             bit = min(self._free)
             self._free.remove(bit)
@@ -83,6 +88,20 @@ class ResponseCache:
         self._names[bit] = name
         self.entries[name] = (bit, signature)
         self.generation += 1
+
+    @property
+    def tracks_use(self) -> bool:
+        """Recency only matters once the cache may fill up: below half its capacity the
+        engine skips :meth:`touch` (a cost per tensor). Identical on every rank."""
+        return 2 * len(self.entries) > self.capacity
+
+    def touch(self, names: list[str]) -> None:
+        """Mark ``names`` (just executed, in the same order on every rank) most recently used."""
+        entries = self.entries
+        for name in names:
+            entry = entries.pop(name, None)
+            if entry is not None:
+                entries[name] = entry
 
     def evict(self, name: str) -> None:
         entry = self.entries.pop(name, None)

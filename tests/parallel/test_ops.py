@@ -97,3 +97,9 @@ def test_init_starts_mpi_that_mpi4py_did_not_start(mpirun, tmp_path):
 def test_repeated_steps_reuse_and_replace_execution_plans(mpirun, ranks):
     proc = mpirun(ranks, HERE / "steps_worker.py", timeout=120)
     assert_every_rank_says(proc, ranks, "steps ok")
+
+
+def test_more_tensors_than_the_cache_holds_evict_the_least_recently_used(mpirun):
+    # 30 to 40 names a step against 16 cache bits: names are evicted and cached again
+    proc = mpirun(2, HERE / "steps_worker.py", timeout=120, env={"HOROVOD_CACHE_CAPACITY": "16"})
+    assert_every_rank_says(proc, 2, "steps ok")

@@ -38,7 +38,7 @@ def sig(kind="allreduce", dtype="float32", shape=(4,), op=Average, root=-1, pre=
 
 
 # -- ResponseCache --------------------------------------------------------------------------------
-cache_ops = st.lists(st.tuples(st.sampled_from(["put", "put2", "evict"]),
+cache_ops = st.lists(st.tuples(st.sampled_from(["put", "put2", "evict", "touch"]),
                                st.sampled_from([f"t{i}" for i in range(12)])), max_size=80)
 
 
@@ -51,6 +51,8 @@ def test_cache_is_deterministic(ops, capacity):
         for what, name in ops:
             if what == "evict":
                 cache.evict(name)
+            elif what == "touch":
+                cache.touch([name])
             else:
                 cache.put(name, sig(shape=(4,) if what == "put" else (5,)))
     names = {name for _, name in ops}
@@ -98,13 +100,27 @@ def test_cache_put_with_a_new_signature_replaces_the_entry():
     assert len(cache) == 2
 
 
-def test_cache_stops_growing_at_capacity():
+def test_a_full_cache_evicts_the_least_recently_used_name():
     cache = ResponseCache(2)
-    for name in "abc":
-        cache.put(name, sig())
-    assert len(cache) == 2 and cache.bit("c", sig()) is None
+    cache.put("a", sig())
+    cache.put("b", sig())
+    cache.touch(["a"])  # "b" is now the oldest
+    cache.put("c", sig())
+    assert len(cache) == 2 and cache.bit("b", sig()) is None
+    assert cache.bit("a", sig()) == 0 and cache.bit("c", sig()) == 1  # b's bit, reused
     assert cache.nwords == 1
-    assert ResponseCache(0).nwords == 0
+    empty = ResponseCache(0)
+    empty.put("a", sig())
+    assert len(empty) == 0 and empty.nwords == 0
+
+
+def test_recency_is_tracked_once_the_cache_is_half_full():
+    cache = ResponseCache(4)
+    cache.put("a", sig())
+    cache.put("b", sig())
+    assert not cache.tracks_use
+    cache.put("c", sig())
+    assert cache.tracks_use
 
 
 def test_cache_words_grow_by_64_bits():

@@ -14,6 +14,13 @@ Measured on every rank, in the same processes:
   (widen to float32 on the wire), and against what a user of mpi4py alone would write;
 * the fusion buffer's pack and unpack of 200 x 16 KiB: numpy against ``_native.pack/unpack``.
 
+With ``--device cuda`` (one rank per GPU: ``hpc-horovod run -np <GPUs> python
+benchmarks/allreduce.py --device cuda``) the buffers are torch CUDA tensors of 1 MiB ..
+``--max-bytes`` (default 1 GiB): ``hpc_horovod.torch.allreduce`` and ``allreduce_`` (NCCL
+through the engine) against raw ``cupy.cuda.nccl`` ``allReduce`` on the same memory and stream,
+each timed up to ``torch.cuda.synchronize()``; and the 200 x 16 KiB case against one raw NCCL
+call on the same bytes and 200 raw calls in one NCCL group.
+
 Every reduction is a Sum (MPI's op; hpc_horovod's default Average adds a scaling). The cases
 of one size run interleaved, repetition by repetition, so load from elsewhere hits them alike.
 Each timing starts after a barrier; a repetition lasts as long as its slowest rank; the median
@@ -41,7 +48,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpc_horovod as hvd
-from hpc_horovod.common import fusion
+from hpc_horovod.common import basics, fusion
 
 try:
     from hpc_horovod import _native
@@ -449,18 +456,151 @@ def pack_unpack(reps: int) -> list:
     return rows
 
 
+# -- GPU ------------------------------------------------------------------------------------------
+
+CUDA_BASELINE = "raw cupy.cuda.nccl"
+
+
+class CudaContenders:
+    """torch CUDA tensors: hpc_horovod.torch (NCCL through the engine) against raw
+    ``cupy.cuda.nccl`` on the same memory, on torch's current stream. Every case ends with
+    ``torch.cuda.synchronize()``: the engine's handles complete once the work is queued."""
+
+    def __init__(self, comm: MPI.Comm):
+        try:
+            import cupy
+            import torch
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise SystemExit(f"--device cuda needs torch with CUDA and cupy with NCCL: {e}") \
+                from None
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device")
+        import hpc_horovod.torch as hvd_torch
+
+        self.torch, self.cupy, self.nccl, self.hvd_torch = torch, cupy, nccl, hvd_torch
+        self.comm = comm
+        self.device = hvd_torch.pin_gpu("torch")
+        if self.device is None:
+            raise SystemExit("--device cuda: no GPU for this rank (see hpc-horovod doctor)")
+        self.transport = basics.device_transport()
+        unique_id = nccl.get_unique_id() if comm.Get_rank() == 0 else None
+        unique_id = comm.bcast(unique_id, root=0)
+        with cupy.cuda.Device(self.device):
+            self.raw = nccl.NcclCommunicator(comm.Get_size(), unique_id, comm.Get_rank())
+        self.types = {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16}
+        if hasattr(nccl, "NCCL_BFLOAT16"):
+            self.types["bfloat16"] = nccl.NCCL_BFLOAT16
+
+    def tensor(self, x: np.ndarray):
+        torch = self.torch
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) \
+            if x.dtype == DTYPES["bfloat16"] else torch.from_numpy(x)
+        return t.to(f"cuda:{self.device}")
+
+    def _raw_allreduce(self, t) -> None:
+        self.raw.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), self.types[_dtype_name(t)],
+                           self.nccl.NCCL_SUM, self.torch.cuda.current_stream().cuda_stream)
+
+    def one_buffer(self, x: np.ndarray, tag: str) -> dict[str, tuple]:
+        t, fill = self.tensor(x), self.tensor(x)
+        sync = self.torch.cuda.synchronize
+
+        def refill():
+            t.copy_(fill)
+            sync()
+
+        def ours_out():
+            self.hvd_torch.allreduce(t, op=hvd.Sum, name=f"cuda.{tag}")
+            sync()
+
+        def ours_in():
+            self.hvd_torch.allreduce_(t, op=hvd.Sum, name=f"cuda_.{tag}")
+            sync()
+
+        def raw():
+            self._raw_allreduce(t)
+            sync()
+
+        cases = {"hvd torch cuda": (ours_out, refill),
+                 "hvd torch cuda in-place": (ours_in, refill)}
+        if _dtype_name(t) in self.types:
+            cases[CUDA_BASELINE] = (raw, refill)
+        return cases
+
+    def small_tensors(self, xs: list[np.ndarray], tag: str) -> dict[str, tuple]:
+        ts = [self.tensor(x) for x in xs]
+        fills = [self.tensor(x) for x in xs]
+        flat = self.torch.cat(fills)
+        sync = self.torch.cuda.synchronize
+
+        def refill():
+            for t, f in zip(ts, fills):
+                t.copy_(f)
+            sync()
+
+        def ours():
+            handles = [self.hvd_torch.allreduce_async_(t, op=hvd.Sum, name=f"cs.{tag}.{i}")
+                       for i, t in enumerate(ts)]
+            for h in handles:
+                self.hvd_torch.synchronize(h)
+            sync()
+
+        def raw_one():
+            self._raw_allreduce(flat)
+            sync()
+
+        def raw_group():
+            self.nccl.groupStart()
+            for t in ts:
+                self._raw_allreduce(t)
+            self.nccl.groupEnd()
+            sync()
+
+        cases = {"hvd torch cuda in-place": (ours, refill)}
+        if _dtype_name(ts[0]) in self.types:
+            cases[CUDA_BASELINE + " (1 call, same bytes)"] = (raw_one, refill)
+            cases[f"raw nccl {len(ts)} calls in one group"] = (raw_group, refill)
+        return cases
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def cuda_main(args, timer: Timer, comm: MPI.Comm) -> dict:
+    contenders = CudaContenders(comm)
+    result = {"meta": {"device": "cuda", "transport": contenders.transport,
+                       "gpu": contenders.torch.cuda.get_device_name(contenders.device)},
+              "sweep": [], "small_tensors": []}
+    sizes, nbytes = [], max(args.min_bytes, 1 << 20)
+    while nbytes <= args.max_bytes:
+        sizes.append(nbytes)
+        nbytes *= 2
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        for nbytes in sizes:
+            x = np.ones(nbytes // dtype.itemsize, dtype=dtype)
+            result["sweep"] += run_cases(timer, contenders.one_buffer(x, f"{name}.{nbytes}"),
+                                         nbytes, hvd.size(), dtype=name)
+        xs = [np.ones(SMALL_BYTES // dtype.itemsize, dtype=dtype) for _ in range(SMALL_COUNT)]
+        result["small_tensors"] += run_cases(timer, contenders.small_tensors(xs, name),
+                                             SMALL_COUNT * SMALL_BYTES, hvd.size(), dtype=name)
+    return result
+
+
 # -- report ----------------------------------------------------------------------------------------
 
-def print_sweep(rows: list, dtype: str) -> None:
+def print_sweep(rows: list, dtype: str, baseline: str = BASELINE) -> None:
     mine = [r for r in rows if r["dtype"] == dtype and "time_s" in r]
     methods = list(dict.fromkeys(r["method"] for r in mine))
     sizes = sorted({r["bytes"] for r in mine})
     cell = {(r["bytes"], r["method"]): r for r in mine}
     width = max(16, *(len(m) + 2 for m in methods))
-    print(f"\n{dtype}: time (x ratio to {BASELINE}) and bus bandwidth GB/s")
+    print(f"\n{dtype}: time (x ratio to {baseline}) and bus bandwidth GB/s")
     print(f"{'size':>10}" + "".join(f"{m:>{width}}" for m in methods))
     for nbytes in sizes:
-        base = cell.get((nbytes, BASELINE))
+        base = cell.get((nbytes, baseline))
         line = f"{human(nbytes):>10}"
         for m in methods:
             r = cell.get((nbytes, m))
@@ -518,8 +658,11 @@ def plot(result: dict, path: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10)
-    p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
-                   help="largest buffer per rank (default 64M; the full sweep is 256M)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None,
+                   help="largest buffer per rank (default 64M, 1G with --device cuda; the "
+                        "full host sweep is 256M)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: torch CUDA tensors, NCCL against raw cupy.cuda.nccl")
     p.add_argument("--dtypes", type=parse_dtypes, default=parse_dtypes("float32,float16"),
                    help="comma-separated: float32, float16, bfloat16 (default float32,float16)")
     p.add_argument("--half-bytes", type=parse_bytes, default=16 << 20,
@@ -529,12 +672,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-reps", type=int, default=200)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
+    if args.max_bytes is None:
+        args.max_bytes = (1 << 30) if args.device == "cuda" else (64 << 20)
     if args.min_bytes > args.max_bytes:
         p.error(f"--min-bytes ({human(args.min_bytes)}) is above --max-bytes")
 
     hvd.init()
     comm = MPI.COMM_WORLD.Dup()
     timer = Timer(comm, args.seconds_per_point, args.min_reps, args.max_reps)
+    if args.device == "cuda":
+        report_cuda(args, cuda_main(args, timer, comm))
+        hvd.shutdown()
+        return
     contenders = Contenders(comm)
     sizes = []
     nbytes = args.min_bytes
@@ -588,6 +737,25 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "allreduce.json").write_text(json.dumps(result, indent=1))
     print(f"\nresults: {args.out / 'allreduce.json'}")
     print(plot(result, args.out / "allreduce.png"))
+
+
+def report_cuda(args, result: dict) -> None:
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    meta = result["meta"]
+    meta.update(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                host=socket.gethostname(), ranks=hvd.size(), command=" ".join(sys.argv))
+    print(f"{meta['date']}  {meta['host']}  {meta['gpu']}  {meta['ranks']} ranks  "
+          f"GPU tensors move by: {meta['transport']}")
+    for name in args.dtypes:
+        print_sweep(result["sweep"], name, CUDA_BASELINE)
+        print_rows(f"{SMALL_COUNT} x {human(SMALL_BYTES)} {name} on the GPU, submitted then "
+                   "synchronized", [r for r in result["small_tensors"] if r["dtype"] == name],
+                   CUDA_BASELINE)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "allreduce_cuda.json").write_text(json.dumps(result, indent=1))
+    print(f"\nresults: {args.out / 'allreduce_cuda.json'}")
+    print(plot(result, args.out / "allreduce_cuda.png"))
 
 
 if __name__ == "__main__":

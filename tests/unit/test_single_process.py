@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 
 import hpc_horovod as hvd
 from hpc_horovod.common import basics, ops
-from hpc_horovod.common.errors import NOT_INITIALIZED
+from hpc_horovod.common.errors import NOT_INITIALIZED, HorovodInternalError
 from hpc_horovod.common.types import SUPPORTED_DTYPES, bfloat16
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -590,3 +592,41 @@ def test_mpi_launch_without_mpi4py_names_the_install(tmp_path):
     assert "rank 0 of 2 started by openmpi, but mpi4py is not installed" in proc.stderr
     assert "pip install hpc-horovod[mpi]" in proc.stderr
 
+
+
+def test_submissions_racing_a_shutdown_all_complete(single):
+    """Submission takes no lock: a request enqueued while the engine stops must still be
+    completed (with the shutdown error), never left pending."""
+    engine = basics.engine()
+    x = np.ones(4, np.float32)
+    accepted, refused = [], []
+    go = threading.Event()
+
+    def submit_until_refused(t: int) -> None:
+        go.wait()
+        for i in range(100_000):
+            try:
+                handle = engine.submit(ops.allreduce_request(x, name=f"race.{t}.{i}", op=hvd.Sum))
+            except ValueError:
+                refused.append(t)
+                return
+            accepted.append(engine.request(handle))
+
+    threads = [threading.Thread(target=submit_until_refused, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    go.set()
+    time.sleep(0.05)
+    hvd.shutdown()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(refused) == [0, 1, 2] and accepted
+    pending = [req.name for req in accepted if not req.done]
+    assert not pending, f"{len(pending)} requests never completed, e.g. {pending[:3]}"
+    ok = [req for req in accepted if req.error is None]
+    assert ok and all(req.result is not None for req in ok)
+    # The narrow case, forced: a submitter that passed the "still running" check, then lost the
+    # GIL until the engine had stopped and drained its queue.
+    late = ops.allreduce_request(x, name="late", op=hvd.Sum)
+    engine._push(late)
+    assert late.done and isinstance(late.error, HorovodInternalError)

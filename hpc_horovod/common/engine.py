@@ -195,17 +195,14 @@ class Engine:
         return [self._push(req) for req in requests]
 
     def submit(self, req: Request) -> int:
-        """:meth:`enqueue` of one request: the path every gradient takes, hence inlined.
+        """:meth:`enqueue` of one request: the path every gradient takes.
 
         No lock here: the GIL makes ``dict.setdefault``, ``deque.append`` and ``next(count)``
         atomic, and the engine thread is woken only when it sleeps.
         """
         if self._closed:
             self._raise_if_stopped()
-        if req.process_set_id not in self._members:
-            raise ValueError(f"process set {req.process_set_id} does not exist")
-        if self._inflight.setdefault(req.key, req) is not req:
-            raise ValueError(_DUPLICATE.format(req.name))
+        self._claim(req)
         return self._push(req)
 
     def _claim(self, req: Request) -> None:

@@ -69,7 +69,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Start an allreduce; returns a handle for ``poll``/``synchronize``. Default op: Average."""
     if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous:
         tensor = _array(tensor, "allreduce")
-    return basics.engine().submit(allreduce_request(
+    return submit_one(allreduce_request(
         tensor, name=name, op=op, average=average, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
 
@@ -86,7 +86,7 @@ def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, presc
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
             not tensor.flags.writeable:
         raise ValueError("in-place allreduce needs a writable C-contiguous numpy array")
-    return basics.engine().submit(allreduce_request(
+    return submit_one(allreduce_request(
         tensor, name=name, op=op, average=average, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set, output=tensor))
 

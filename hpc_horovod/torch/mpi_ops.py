@@ -53,7 +53,7 @@ def _submit_one(req) -> int:
     """:func:`_submit` of one request, the path every gradient takes."""
     if req.signature.device:
         return _submit([req])[0]
-    return basics.engine().submit(req)
+    return ops.submit_one(req)
 
 
 def _result_on(tensor: torch.Tensor) -> Callable[[list], torch.Tensor]:

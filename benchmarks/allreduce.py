@@ -204,8 +204,9 @@ class Contenders:
         self.dist = dist
 
     def _tensor(self, x: np.ndarray):
-        return self.torch.from_numpy(x.view(np.uint16)).view(self.torch.bfloat16) \
-            if x.dtype == DTYPES["bfloat16"] else self.torch.from_numpy(x)
+        from hpc_horovod.torch.adapter import to_torch
+
+        return to_torch(x)
 
     @staticmethod
     def _mpi_buffer(x: np.ndarray):
@@ -493,10 +494,9 @@ class CudaContenders:
             self.types["bfloat16"] = nccl.NCCL_BFLOAT16
 
     def tensor(self, x: np.ndarray):
-        torch = self.torch
-        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) \
-            if x.dtype == DTYPES["bfloat16"] else torch.from_numpy(x)
-        return t.to(f"cuda:{self.device}")
+        from hpc_horovod.torch.adapter import to_torch
+
+        return to_torch(x, self.torch.device("cuda", self.device))
 
     def _raw_allreduce(self, t) -> None:
         self.raw.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), self.types[_dtype_name(t)],

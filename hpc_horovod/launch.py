@@ -88,10 +88,11 @@ def physical_cores() -> int:
 
 
 def _binding(np_: int, hosts: list, cores: int) -> list[str]:
-    if hosts:
-        return ["--bind-to", "none", "--map-by", "slot"]
-    if np_ > cores:
-        return ["--bind-to", "none", "--map-by", "slot", "--oversubscribe"]
+    """Open MPI's mapping flags: a share of this machine's cores per rank, else no binding."""
+    slots = sum(s for _, s in hosts) if hosts else cores
+    if hosts or np_ > cores:
+        return ["--bind-to", "none", "--map-by", "slot"] + (
+            ["--oversubscribe"] if np_ > slots else [])
     return ["--map-by", f"slot:PE={cores // np_}", "--bind-to", "core"]
 
 
@@ -117,8 +118,6 @@ def build_command(args, env=None, cores: int | None = None) -> list[str]:
     cmd = [launcher, "-np", str(args.np)]
     if flavour == "openmpi":
         cmd += _binding(args.np, hosts, physical_cores() if cores is None else cores)
-        if hosts and args.np > sum(s for _, s in hosts):
-            cmd.append("--oversubscribe")
         cmd.append("--tag-output")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")

@@ -368,8 +368,9 @@ class Engine:
         stop = False
         if or_all & _FULL:
             names, sigs = (list(plan.names), list(plan.sigs)) if plan is not None else ([], [])
+            known = len(names)
             stop = self._full_negotiation(ps, or_all, shutdown_reason, names, sigs, reqs)
-            if len(names) > (len(plan.names) if plan is not None else 0):
+            if len(names) > known:
                 plan = Plan(names, sigs, settings.fusion_threshold)
                 reqs = [reqs[i] for i in plan.order]
         if plan is not None:
@@ -539,35 +540,38 @@ class Engine:
         self._inflight.pop(req.key, None)
         req.done = True
 
-    def _fail_leftovers(self) -> None:
-        """Complete with the engine's error whatever was enqueued after it stopped."""
-        error = self._error or HorovodInternalError(SHUT_DOWN)
-        while self._queue:
-            req = self._queue.popleft()
+    def _fail(self, requests) -> None:
+        """Complete ``requests`` with the engine's error (or the shutdown text) and wake the
+        callers."""
+        error = str(self._error or HorovodInternalError(SHUT_DOWN))
+        for req in requests:
             if not req.done:
-                self._complete(req, error=HorovodInternalError(str(error)))
+                self._complete(req, error=HorovodInternalError(error))
         with self._done:
             self._done.notify_all()
 
+    def _drain_queue(self) -> list[Request]:
+        drained = []
+        while self._queue:
+            drained.append(self._queue.popleft())
+        return drained
+
+    def _fail_leftovers(self) -> None:
+        """Complete with the engine's error whatever was enqueued after it stopped."""
+        self._fail(self._drain_queue())
+
     def _stop(self) -> None:
         self._stopped = self._closed = True
-        leftovers = []
-        while self._queue:
-            leftovers.append(self._queue.popleft())
-        error = self._error or HorovodInternalError(SHUT_DOWN)
+        leftovers = self._drain_queue()
         for ps in self._sets.values():
             leftovers.extend(ps.pending.values())
             ps.pending.clear()
             if ps.join_request is not None:
                 leftovers.append(ps.join_request)
                 ps.join_request = None
-        for req in leftovers:
-            if not req.done:
-                self._complete(req, error=HorovodInternalError(str(error)))
         if self.timeline is not None:
             self.timeline.close()
-        with self._done:
-            self._done.notify_all()
+        self._fail(leftovers)
 
     def free_backends(self) -> None:
         for ps_id, ps in self._sets.items():

@@ -8,6 +8,7 @@ that steals the core the peer's own training needs.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -61,17 +62,17 @@ class MpiBackend:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._slack_set = False
+        self._slack_threads: set[int] = set()  # threads that ran _tight_sleeps
 
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
         """In-place bitwise AND of ``words`` over the set; raise if peers never arrive."""
-        if not self._slack_set:
-            _tight_sleeps()
-            self._slack_set = True
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
         if req.Test():
             return
+        if threading.get_ident() not in self._slack_threads:  # the engine's, or a waiter's
+            _tight_sleeps()
+            self._slack_threads.add(threading.get_ident())
         start = time.perf_counter()
         spin_until = start + 50e-6
         while not req.Test():

@@ -10,6 +10,11 @@ this rank belongs to, in id order, runs one cycle:
    collectives one by one (``collectives``), in an order identical on every rank;
 3. complete the handles and wake the callers.
 
+Cycles are collectives, so they run one at a time (``_cycle_lock``), but not always on the
+engine thread: a caller blocked in :meth:`Engine.wait` while the thread sleeps runs them itself,
+which saves the two thread switches of a hand-off. The thread is still what moves asynchronous
+work that nobody waits for yet, and what keeps idle peers company.
+
 A shutdown, a stall past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a
 peer that stops answering ends the engine on every rank with a message that names who and why;
 every pending handle then raises it.
@@ -149,6 +154,9 @@ class Engine:
         self._cond = threading.Condition()
         self._sleeping = False  # the engine waits on _cond: submitters must notify it
         self._done = threading.Condition()
+        # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
+        # collectives and must run one at a time, in the same order on every rank.
+        self._cycle_lock = threading.Lock()
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
         self._handle_counter = itertools.count()
@@ -157,7 +165,7 @@ class Engine:
         self._stopped = False
         self._closed = False  # any of: shutdown asked, engine failed, engine stopped
         self._worked = False  # the current cycle had something to do, here or on a peer
-        self._cycle = 0
+        self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
 
@@ -237,14 +245,27 @@ class Engine:
         return self.request(handle).done
 
     def wait(self, handle: int) -> Request:
-        """Block until the handle completes; forget it; raise its error if it failed."""
+        """Block until the handle completes; forget it; raise its error if it failed.
+
+        While the engine thread sleeps, the caller runs the engine's cycles itself instead of
+        waking it and sleeping in turn: two thread switches (each about 20 us here, more on a
+        shared core) are most of the latency of a small synchronous allreduce.
+        """
         req = self._handles.get(handle)
         if req is None:
             raise ValueError(f"handle {handle} was not created or has been cleared")
-        if not req.done:
-            with self._done:
-                while not req.done:
-                    self._done.wait(1.0)
+        lock = self._cycle_lock
+        while not req.done:
+            if not self._stopped and lock.acquire(blocking=False):
+                try:
+                    if not req.done and not self._stopped:
+                        self._guarded_cycle()
+                finally:
+                    lock.release()
+            else:  # the engine thread is in a cycle (or stopping): let it finish
+                with self._done:
+                    if not req.done:
+                        self._done.wait(1.0)
         del self._handles[handle]
         if req.error is not None:
             raise req.error
@@ -272,46 +293,84 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
         try:
-            while True:
-                if not self._queue and self._shutdown_reason is None:
-                    with self._cond:
-                        self._sleeping = True  # set before looking: see enqueue
-                        if not self._queue and self._shutdown_reason is None:
-                            self._cond.wait(idle_s)
-                        self._sleeping = False
-                reason = self._shutdown_reason
-                queue, sets, tl = self._queue, self._sets, self.timeline
-                while queue:
-                    req = queue.popleft()
-                    ps = sets.get(req.process_set_id)
-                    if ps is None or req.signature.kind == "join":
-                        self._admit(req)
-                    else:
-                        ps.pending[req.name] = req
-                        if tl is not None:
-                            tl.negotiate_start(req.name, req.signature.kind)
-                self._cycle += 1
-                if self.timeline is not None and self.settings.timeline_mark_cycles:
-                    self.timeline.mark_cycle()
-                self._worked = False
-                if self._cycle_set(self._sets[0], reason):
+            self._loop()
+        finally:  # normally already stopped by the cycle that agreed on it, or failed
+            with self._cycle_lock:
+                self._stop()
+
+    def _loop(self) -> None:
+        cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
+        while not self._stopped:
+            woken = False
+            if not self._queue and self._shutdown_reason is None:
+                with self._cond:
+                    self._sleeping = True  # set before looking: see submit
+                    if not self._queue and self._shutdown_reason is None:
+                        woken = self._cond.wait(idle_s)
+                    self._sleeping = False
+            with self._cycle_lock:
+                if self._stopped:
                     break
-                for ps_id in sorted(self._sets):
-                    if ps_id != 0 and ps_id in self._sets:
-                        self._cycle_set(self._sets[ps_id], None)
-                # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
-                # back off so that an idle engine does not take the GIL from the training
-                # thread a thousand times a second. A submission wakes it at once anyway.
-                idle_s = cycle_s if self._worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+                if woken and self._idle():
+                    # A submission woke us, but a waiting caller already ran the cycle that
+                    # completed it (see wait): nothing is left for peers to wait on.
+                    continue
+                self._worked = False
+                self._guarded_cycle()
+            # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
+            # back off so that an idle engine does not take the GIL from the training
+            # thread a thousand times a second. A submission wakes it at once anyway.
+            idle_s = cycle_s if self._worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+
+    def _idle(self) -> bool:
+        return (not self._queue and self._shutdown_reason is None
+                and not any(ps.pending or ps.join_request for ps in self._sets.values()))
+
+    def _guarded_cycle(self) -> None:
+        """One cycle, by whichever thread holds ``_cycle_lock``. Whatever it raises ends the
+        engine on this rank (peers learn it from the broken negotiation or their timeout): its
+        cycles are collectives, and one cut short leaves this rank out of step with the others.
+        """
+        try:
+            if self._cycle():
+                self._stop()
         except HorovodInternalError as exc:
             self._error = exc
-        except BaseException as exc:  # an MPI error or a bug: never leave callers hanging
-            self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            log.exception("hpc_horovod engine failed")
-        finally:
             self._stop()
+        except BaseException as exc:  # an MPI error, a bug, or a waiter's KeyboardInterrupt
+            self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, Exception):
+                log.exception("hpc_horovod engine failed")
+            self._stop()
+            if not isinstance(exc, Exception):
+                raise
+
+    def _cycle(self) -> bool:
+        """Admit the queue, then one negotiation and execution round on every process set;
+        True when the engine must stop."""
+        reason = self._shutdown_reason
+        queue, sets, tl = self._queue, self._sets, self.timeline
+        now = time.monotonic()
+        while queue:
+            req = queue.popleft()
+            req.submitted_at = now
+            ps = sets.get(req.process_set_id)
+            if ps is None or req.signature.kind == "join":
+                self._admit(req)
+            else:
+                ps.pending[req.name] = req
+                if tl is not None:
+                    tl.negotiate_start(req.name, req.signature.kind)
+        self._cycles += 1
+        if tl is not None and self.settings.timeline_mark_cycles:
+            tl.mark_cycle()
+        if self._cycle_set(sets[0], reason):
+            return True
+        for ps_id in sorted(sets):
+            if ps_id != 0 and ps_id in sets:
+                self._cycle_set(sets[ps_id], None)
+        return False
 
     def _admit(self, req: Request) -> None:
         """The uncommon admissions: a join, or a set this rank is not a member of."""
@@ -322,7 +381,7 @@ class Engine:
             return
         if req.kind == "join":
             ps.join_request = req
-            ps.join_cycle = self._cycle
+            ps.join_cycle = self._cycles
 
     def _cycle_set(self, ps: ProcessSetState, shutdown_reason: str | None) -> bool:
         """One negotiation and execution round on ``ps``; True when the engine must stop."""
@@ -561,10 +620,12 @@ class Engine:
         self._fail(self._drain_queue())
 
     def _stop(self) -> None:
+        if self._stopped:
+            return
         self._stopped = self._closed = True
-        leftovers = self._drain_queue()
+        # Every accepted request not yet completed: queued, pending, or cut off mid-execution.
+        leftovers = self._drain_queue() + list(self._inflight.values())
         for ps in self._sets.values():
-            leftovers.extend(ps.pending.values())
             ps.pending.clear()
             if ps.join_request is not None:
                 leftovers.append(ps.join_request)

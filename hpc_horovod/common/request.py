@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from .types import Signature, check_dtype
@@ -71,7 +69,7 @@ class Request:
         self.result = None
         self.error: BaseException | None = None
         self.done = False
-        self.submitted_at = time.monotonic()
+        # submitted_at: set when the engine admits it (the stall check's clock)
 
     @property
     def kind(self) -> str:

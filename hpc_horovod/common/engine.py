@@ -338,13 +338,14 @@ class Engine:
         except HorovodInternalError as exc:
             self._error = exc
             self._stop()
-        except BaseException as exc:  # an MPI error, a bug, or a waiter's KeyboardInterrupt
+        except Exception as exc:  # an MPI error or a bug: never leave callers hanging
             self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, Exception):
-                log.exception("hpc_horovod engine failed")
+            log.exception("hpc_horovod engine failed")
             self._stop()
-            if not isinstance(exc, Exception):
-                raise
+        except BaseException as exc:  # a waiter's KeyboardInterrupt: it is the waiter's to see
+            self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
+            self._stop()
+            raise
 
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;
@@ -623,13 +624,12 @@ class Engine:
         if self._stopped:
             return
         self._stopped = self._closed = True
-        # Every accepted request not yet completed: queued, pending, or cut off mid-execution.
+        # Every accepted request not yet completed (all are in _inflight until then): queued,
+        # pending, a join, or one cut off mid-execution.
         leftovers = self._drain_queue() + list(self._inflight.values())
         for ps in self._sets.values():
             ps.pending.clear()
-            if ps.join_request is not None:
-                leftovers.append(ps.join_request)
-                ps.join_request = None
+            ps.join_request = None
         if self.timeline is not None:
             self.timeline.close()
         self._fail(leftovers)

@@ -3,6 +3,10 @@
 The negotiation collective is non-blocking and polled with a short back-off: a blocking
 Allreduce would spin a core at 100% while a peer computes, and on a node with one core per rank
 that steals the core the peer's own training needs.
+
+When every rank of the communicator is on one node, allreduces go through a shared-memory window
+instead (:mod:`.shm`): the engine packs fused groups straight into it (:meth:`MpiBackend.staging`)
+and reads results straight out of it, which saves the two copies MPI would add.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from mpi4py import MPI
 
 from ..common.errors import HorovodInternalError
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+from .shm import NodeAllreduce, capacity_for
 
 _OPS = {Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 _BOOL_OPS = {Min: MPI.LAND, Max: MPI.LOR}
@@ -28,6 +33,18 @@ def _tight_sleeps() -> None:
         ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+#: Open MPI 4.1's AVX reductions (its ``op/avx`` component, on by default) saturate sums of 8-
+#: and 16-bit integers of 16 elements or more instead of wrapping (open-mpi/ompi#8045, left
+#: as is on 4.1.x), so 200 + 200 gives 255 in uint8 there and 144 for fewer elements, in numpy,
+#: torch and the node's shared window. These travel widened to 64 bits and wrap when narrowed
+#: back; turning the component off instead would slow every float reduction down (1.3-4x here).
+_WRAPPED_OPS = (Sum, Product)
+
+
+def _wraps_badly(dtype: np.dtype, op: int) -> bool:
+    return dtype.kind in "iu" and dtype.itemsize <= 2 and op in _WRAPPED_OPS
 
 
 def _bytes(a: np.ndarray):
@@ -58,11 +75,24 @@ def _halves(a: np.ndarray) -> list:
 class MpiBackend:
     name = "mpi"
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, shared_memory: bool = True):
+        """Collective over ``comm``. ``shared_memory=False`` keeps every allreduce in MPI."""
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._slack_threads: set[int] = set()  # threads that ran _tight_sleeps
+        #: bytes of the largest fused group the shared window takes; None: no window
+        self.fusion_capacity: int | None = None
+        self._node: NodeAllreduce | None = None  # created on first use (collective)
+        self.shared_memory = shared_memory
+        if shared_memory and self.size > 1:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            capacity = capacity_for(self.size)
+            usable = (node.Get_size() == self.size
+                      and NodeAllreduce.fits_on_node(capacity, self.size))
+            node.Free()
+            if comm.allreduce(usable, op=MPI.LAND):  # /dev/shm may look different to a peer
+                self.fusion_capacity = capacity
 
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
@@ -103,9 +133,32 @@ class MpiBackend:
         return out
 
     # -- data ------------------------------------------------------------------------------------
+    def staging(self, count: int, dtype: np.dtype) -> np.ndarray | None:
+        """Where to pack a fused group of ``count`` elements of ``dtype`` for
+        :meth:`reduce_staged`: this rank's part of the node's shared window. None when there
+        is no window or the group does not fit: pack into a buffer of your own and call
+        :meth:`allreduce`."""
+        if self.fusion_capacity is None or count * dtype.itemsize > self.fusion_capacity:
+            return None
+        if self._node is None:  # every rank gets here at the same agreed allreduce
+            self._node = NodeAllreduce(self.comm, self.fusion_capacity)
+        return self._node.stage(count, dtype)
+
+    def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
+        """Reduce what every rank packed into :meth:`staging`'s buffer; returns the shared,
+        read-only result, valid until the next call's result is read."""
+        return self._node.reduce(staged, op)
+
     def allreduce(self, buf: np.ndarray, op: int) -> None:
+        """In place, through MPI whatever the window: for one contiguous buffer MPI's
+        single-copy transfers between processes beat copying it in and out of the window."""
         if buf.dtype in HALF_DTYPES:
             self.comm.Allreduce(MPI.IN_PLACE, _halves(buf), op=_half_sum(buf.dtype, op))
+            return
+        if _wraps_badly(buf.dtype, op):
+            wide = buf.astype(np.int64)
+            self.comm.Allreduce(MPI.IN_PLACE, wide.reshape(-1), op=_OPS[op])
+            buf[...] = wide.astype(buf.dtype)  # modulo 2**bits, as the narrow sum would
             return
         mpi_op = _BOOL_OPS[op] if buf.dtype == np.bool_ else _OPS[op]
         self.comm.Allreduce(MPI.IN_PLACE, buf.reshape(-1), op=mpi_op)
@@ -132,6 +185,12 @@ class MpiBackend:
             self.comm.Reduce_scatter(_halves(send), _halves(recv), list(counts),
                                      op=_half_sum(send.dtype, op))
             return
+        if _wraps_badly(send.dtype, op):
+            wide = np.empty(recv.size, np.int64)
+            self.comm.Reduce_scatter(send.astype(np.int64).reshape(-1), wide, list(counts),
+                                     op=_OPS[op])
+            recv.reshape(-1)[...] = wide.astype(recv.dtype)
+            return
         mpi_op = _BOOL_OPS[op] if send.dtype == np.bool_ else _OPS[op]
         self.comm.Reduce_scatter(send.reshape(-1), recv.reshape(-1), list(counts), op=mpi_op)
 
@@ -144,9 +203,22 @@ class MpiBackend:
         group = self.comm.Get_group().Incl(list(ranks))
         comm = self.comm.Create_group(group)
         group.Free()
-        return None if comm == MPI.COMM_NULL else MpiBackend(comm)
+        if comm == MPI.COMM_NULL:
+            return None
+        return MpiBackend(comm, shared_memory=self.shared_memory)
+
+    def release_shared_memory(self) -> None:
+        """Collective: free the shared window; later allreduces go through MPI. Called in the
+        cycle where every rank agrees to stop, or when a process set is removed: freeing
+        waits for every rank, so it is never done where a peer may not come (see ``free``)."""
+        node, self._node, self.fusion_capacity = self._node, None, None
+        if node is not None:
+            node.free()
 
     def free(self) -> None:
+        """Release the communicator. Local: a shared window not released by then (the job
+        failed) is left to the end of the process."""
+        self._node = None
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
             self.comm.Free()
 

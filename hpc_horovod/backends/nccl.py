@@ -312,7 +312,7 @@ class NcclBackend:
     name = "nccl"
 
     def __init__(self, mpi_comm, device: int, *, node_id: int | None = None,
-                 cuda_aware_mpi: bool = False, stream=None):
+                 cuda_aware_mpi: bool = False, stream=None, shared_memory: bool = True):
         import cupy
         from cupy.cuda import nccl
 
@@ -320,7 +320,7 @@ class NcclBackend:
             raise RuntimeError("CuPy was built without NCCL or cannot load it: "
                                "`pip install nvidia-nccl-cu12` (or load the cluster's NCCL)")
         self._cupy, self._nccl = cupy, nccl
-        self.mpi = MpiBackend(mpi_comm)
+        self.mpi = MpiBackend(mpi_comm, shared_memory)
         self.rank, self.size = self.mpi.rank, self.mpi.size
         self.device = int(device)
         self.node_id = node_id
@@ -346,6 +346,19 @@ class NcclBackend:
 
     def barrier(self) -> None:
         self.mpi.barrier()
+
+    @property
+    def fusion_capacity(self) -> int | None:
+        return self.mpi.fusion_capacity
+
+    def staging(self, count: int, dtype: np.dtype) -> np.ndarray | None:
+        return self.mpi.staging(count, dtype)
+
+    def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
+        return self.mpi.reduce_staged(staged, op)
+
+    def release_shared_memory(self) -> None:
+        self.mpi.release_shared_memory()
 
     # -- stream and memory -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -543,7 +556,8 @@ class NcclBackend:
         if mpi_sub is None:
             return None
         return NcclBackend(mpi_sub.comm, self.device, node_id=self.node_id,
-                           cuda_aware_mpi=self.cuda_aware_mpi)
+                           cuda_aware_mpi=self.cuda_aware_mpi,
+                           shared_memory=self.mpi.shared_memory)
 
     def free_device(self) -> None:
         """Destroy the NCCL communicators and drop the device buffers, once the stream has

@@ -12,6 +12,7 @@ class SingleBackend:
     name = "single"
     rank = 0
     size = 1
+    fusion_capacity = None
 
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
         return None
@@ -24,6 +25,9 @@ class SingleBackend:
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return values.copy()
+
+    def staging(self, count: int, dtype: np.dtype) -> None:
+        return None
 
     def allreduce(self, buf: np.ndarray, op: int) -> None:
         return None
@@ -45,6 +49,9 @@ class SingleBackend:
 
     def sub(self, ranks) -> SingleBackend:
         return SingleBackend()
+
+    def release_shared_memory(self) -> None:
+        return None
 
     def free(self) -> None:
         return None

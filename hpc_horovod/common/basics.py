@@ -81,12 +81,11 @@ global_process_set = _GlobalProcessSet()
 
 
 class _State:
-    def __init__(self, topology, settings, engine, backend_name, mpi_comm, mpi_threads):
+    def __init__(self, topology, settings, engine, backend_name, mpi_threads):
         self.topology = topology
         self.settings = settings
         self.engine = engine
         self.backend_name = backend_name
-        self.mpi_comm = mpi_comm
         self.mpi_threads = mpi_threads
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
         self.counters: dict[tuple[int, str], int] = {}
@@ -143,7 +142,7 @@ def _yield_when_cores_are_short(topo) -> None:
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
-def _mpi_backend(topo, comm):
+def _mpi_backend(topo, comm, settings: Settings):
     if comm is None:
         _check_srun_plugin(topo)
     _yield_when_cores_are_short(topo)
@@ -186,7 +185,7 @@ def _mpi_backend(topo, comm):
         topo = replace(topo, rank=dup.Get_rank(), size=dup.Get_size(), local_rank=None,
                        local_size=None, cross_rank=None, cross_size=None)
     topo = _complete_topology(topo, dup)
-    return topo, MpiBackend(dup), dup, MPI.Query_thread()
+    return topo, MpiBackend(dup, settings.shared_memory), dup, MPI.Query_thread()
 
 
 def _check_srun_plugin(topo) -> None:
@@ -227,7 +226,7 @@ def _nccl_backend(topo, mpi_comm, settings: Settings):
     from ..backends.nccl import NcclBackend
 
     node = topo.cross_rank if settings.hierarchical_allreduce else None
-    return NcclBackend(mpi_comm, device, node_id=node)
+    return NcclBackend(mpi_comm, device, node_id=node, shared_memory=settings.shared_memory)
 
 
 def device_transport() -> str:
@@ -250,7 +249,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     settings = Settings.from_env()
     topo = topology_mod.detect()
     if topo.needs_mpi or comm is not None:
-        topo, backend, mpi_comm, threads = _mpi_backend(topo, comm)
+        topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
         nccl = _nccl_backend(topo, mpi_comm, settings)
         backend, backend_name = (nccl, "nccl") if nccl is not None else (backend, "mpi")
     else:
@@ -261,7 +260,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     if settings.timeline and settings.timeline != "DYNAMIC" and topo.rank == 0:
         timeline = Timeline(settings.timeline, settings.timeline_mark_cycles, backend_name)
     engine = Engine(backend, settings, timeline)
-    state = _State(topo, settings, engine, backend_name, mpi_comm, threads)
+    state = _State(topo, settings, engine, backend_name, threads)
     for ps in process_sets or ():
         if not isinstance(ps, ProcessSet):
             ps = ProcessSet(ps)
@@ -306,10 +305,6 @@ def shutdown() -> None:
     _state = None
     state.engine.shutdown()
     state.engine.free_backends()
-    if hasattr(state.engine.backend, "free_device"):
-        state.engine.backend.free_device()
-    if state.mpi_comm is not None:
-        state.mpi_comm.Free()
     for ps in state.process_sets.values():
         if ps is not global_process_set:
             ps.process_set_id = None

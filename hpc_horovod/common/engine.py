@@ -83,7 +83,8 @@ class Plan:
 
     __slots__ = ("names", "sigs", "steps", "order")
 
-    def __init__(self, names: list[str], sigs: list[Signature], threshold: int):
+    def __init__(self, names: list[str], sigs: list[Signature], threshold: int,
+                 host_capacity: int | None = None):
         reductions, gathers, devices, others = [], [], [], []
         for i, sig in enumerate(sigs):
             if sig.kind == "allreduce" and sig.op != Adasum:
@@ -93,7 +94,7 @@ class Plan:
             else:
                 others.append(i)
         groups = [("ALLREDUCE", g, True)
-                  for g in group_allreduces(sigs, reductions, max(threshold, 1))]
+                  for g in group_allreduces(sigs, reductions, threshold, host_capacity)]
         groups += [("ALLGATHER", g, False) for g in (gathers, devices) if g]
         groups += [(sigs[i].kind.upper(), [i], False) for i in others]
         self.order, self.steps = [], []
@@ -134,7 +135,8 @@ class ProcessSetState:
         if plan is None:
             names = [cache.name(bit) for bit in iter_bits(ready_bits)]
             sigs = [cache.signature(name) for name in names]
-            plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
+            plan = self._plans[ready_bits] = Plan(names, sigs, threshold,
+                                                  self.backend.fusion_capacity)
         return plan
 
 
@@ -431,7 +433,7 @@ class Engine:
             known = len(names)
             stop = self._full_negotiation(ps, or_all, shutdown_reason, names, sigs, reqs)
             if len(names) > known:
-                plan = Plan(names, sigs, settings.fusion_threshold)
+                plan = Plan(names, sigs, settings.fusion_threshold, backend.fusion_capacity)
                 reqs = [reqs[i] for i in plan.order]
         if plan is not None:
             self._execute(ps, plan, reqs)
@@ -475,6 +477,9 @@ class Engine:
                 if backend.rank == 0:
                     print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
         if or_all & FLAG_SHUTDOWN:
+            # Every member is in this cycle, whichever way it ends for it: the one moment a
+            # collective free cannot wait for a rank that is not coming.
+            backend.release_shared_memory()
             stopping = [(ps.ranks[r], g[2]) for r, g in enumerate(gathered) if g[2] is not None]
             errors = [(r, why) for r, why in stopping if why]
             if errors:
@@ -528,6 +533,7 @@ class Engine:
                 for pending in list(state.pending.values()):
                     self._complete(pending, error=ValueError(
                         f"process set {sig.root} was removed while this op was pending"))
+                state.backend.release_shared_memory()
                 state.backend.free()
         else:  # pragma: no cover - guarded at submission
             raise ValueError(f"unknown collective {sig.kind}")
@@ -635,6 +641,6 @@ class Engine:
         self._fail(leftovers)
 
     def free_backends(self) -> None:
-        for ps_id, ps in self._sets.items():
-            if ps_id != 0:
-                ps.backend.free()
+        """Release every process set's backend, set 0's included (locally: see ``free``)."""
+        for ps in self._sets.values():
+            ps.backend.free()

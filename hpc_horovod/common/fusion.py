@@ -3,8 +3,10 @@
 Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
 pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
-unpacking them copies nothing; in-place requests are written back. float16/bfloat16 are reduced in
-float32 unless the native extension provides MPI operations for them.
+unpacking them copies nothing; in-place requests are written back, and when every rank is on one
+node their group is packed into and read back from a shared window (``backends/shm.py``), which
+spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
+extension provides MPI operations for them.
 """
 
 from __future__ import annotations
@@ -130,30 +132,43 @@ class FusedAllreduce:
         if len(reqs) == 1 and wire == dtype and not joined:
             _reduce_one(backend, reqs[0], op, pre, post)
             return
-        buf = pool.empty((self.total,), wire)
         if joined:
             parts = [req.tensor if req is not None else np.zeros(n, dtype)
                      for req, n in zip(reqs, self.sizes)]
         else:
             parts = [req.tensor for req in reqs]
+        # Results handed out as views need a buffer of their own (fresh from the pool); results
+        # copied out anyway (in place, or narrowed from a wider wire type) are read straight
+        # from the node's shared window when the backend has one, which saves MPI's copies.
+        as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
+        staged = None if as_views else backend.staging(self.total, wire)
+        buf = staged if staged is not None else pool.empty((self.total,), wire)
         # One call packs the whole group, scaling and widening on the way.
         if _native is not None and (pre == 1.0 or dtype.kind == "f"):
             _native.pack(parts, buf, pre)
         else:
             np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
             _scale_inplace(buf, pre)
-        backend.allreduce(buf, op)
-        _scale_inplace(buf, post)
-        if wire == dtype and all(req is None or req.output is None for req in reqs):
-            if self.flat:
-                for req, (a, b) in zip(reqs, self.bounds):
-                    if req is not None:
-                        req.result = buf[a:b]
-            else:
-                for req, (a, b), shape in zip(reqs, self.bounds, self.shapes):
-                    if req is not None:
-                        req.result = buf[a:b].reshape(shape)
+        if staged is not None:
+            self._unpack(reqs, backend.reduce_staged(staged, op), dtype, post)
             return
+        backend.allreduce(buf, op)
+        if not as_views:
+            self._unpack(reqs, buf, dtype, post)
+            return
+        _scale_inplace(buf, post)
+        if self.flat:
+            for req, (a, b) in zip(reqs, self.bounds):
+                if req is not None:
+                    req.result = buf[a:b]
+        else:
+            for req, (a, b), shape in zip(reqs, self.bounds, self.shapes):
+                if req is not None:
+                    req.result = buf[a:b].reshape(shape)
+
+    def _unpack(self, reqs, reduced: np.ndarray, dtype, post: float) -> None:
+        """Copy each request's part of ``reduced``, scaled by ``post``, into its output (a new
+        array for out-of-place requests)."""
         outputs = []
         for req, n, shape in zip(reqs, self.sizes, self.shapes):
             if req is None:
@@ -161,11 +176,11 @@ class FusedAllreduce:
             else:
                 req.result = req.output if req.output is not None else np.empty(shape, dtype)
                 outputs.append(req.result)
-        if _native is not None:
-            _native.unpack(buf, outputs, 1.0)
+        if _native is not None and (post == 1.0 or dtype.kind == "f"):
+            _native.unpack(reduced, outputs, post)
         else:
             for out, (a, b) in zip(outputs, self.bounds):
-                out.reshape(-1)[...] = buf[a:b]
+                _scale_into(reduced[a:b], post, out.reshape(-1))
 
 
 def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:
@@ -213,10 +228,14 @@ def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None
 SOLO_BYTES = 1 << 20
 
 
-def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int) -> list[list[int]]:
+def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int,
+                     host_capacity: int | None = None) -> list[list[int]]:
     """Split ready allreduces (``indices`` into ``sigs``) into fusable groups (same dtype, op,
-    scales and device, at most ``threshold`` bytes each, tensors of ``SOLO_BYTES`` or more
-    alone), keeping the agreed order inside each."""
+    scales and device, at most ``threshold`` bytes each, and at most ``host_capacity`` for host
+    tensors when the backend stages them in a shared window of that size; tensors of
+    ``SOLO_BYTES`` or more alone), keeping the agreed order inside each."""
+    threshold = max(threshold, 1)
+    host_threshold = min(threshold, host_capacity) if host_capacity else threshold
     open_groups: dict[tuple, list] = {}  # key -> [bytes, indices] of the group being filled
     order: list[list] = []
     for i in indices:
@@ -226,8 +245,9 @@ def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int) 
             order.append([nbytes, [i]])
             continue
         key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.device)
+        limit = threshold if sig.device else host_threshold
         current = open_groups.get(key)
-        if current is None or (current[0] + nbytes > threshold and current[1]):
+        if current is None or (current[0] + nbytes > limit and current[1]):
             current = open_groups[key] = [0, []]
             order.append(current)
         current[0] += nbytes

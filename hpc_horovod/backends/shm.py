@@ -1,0 +1,143 @@
+"""Allreduce through memory shared by the ranks of one node.
+
+Inside a node, MPI's allreduce copies the buffer into shared memory, reduces it there and copies
+the result out, and the fusion buffer adds a copy of its own on each side. Here the fusion buffer
+*is* this rank's segment of an MPI shared-memory window and results are read straight from the
+shared result: a fused group costs the copies MPI would make anyway (pack into the window, each
+rank reducing 1/n of the buffer across every segment, unpack from the result) and nothing more.
+
+Two barriers order the phases of one reduction: every segment written, then every slice
+reduced. Two slots alternate, so a rank may fill the next buffer while a slower peer still reads
+the previous result: a slot is written again only after the next reduction's barriers, which no
+rank passes before every peer has finished reading it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+
+_UFUNCS = {Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
+_BOOL_UFUNCS = {Min: np.logical_and, Max: np.logical_or}
+_ALIGN = 64  # slice bounds on cache lines: no two ranks write one line of the result
+_SLOTS = 2
+#: the shared window stays under this, whatever the number of ranks on the node
+WINDOW_BUDGET = 192 << 20
+
+
+def capacity_for(local_size: int) -> int:
+    """Bytes of one staging segment: 16 MiB with few ranks per node, less with many (down to
+    1 MiB), so that the window (``2 x (ranks + 1)`` segments) stays near ``WINDOW_BUDGET``."""
+    per = WINDOW_BUDGET // (_SLOTS * (local_size + 1))
+    return max(1 << 20, min(16 << 20, per)) // _ALIGN * _ALIGN
+
+
+def _slice_bounds(count: int, itemsize: int, n: int, r: int) -> tuple[int, int]:
+    step = max(1, _ALIGN // itemsize)
+    per = -(-count // (n * step)) * step
+    lo = min(r * per, count)
+    return lo, min(lo + per, count)
+
+
+class NodeAllreduce:
+    """Allreduce over ``comm``, whose ranks all share this node, through one shared window.
+
+    Creating it is collective over ``comm`` (the window is allocated and every rank touches its
+    own pages, which places them on its NUMA node).
+    """
+
+    def __init__(self, comm: MPI.Comm, capacity: int):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.capacity = capacity
+        n = self.size
+        total = _SLOTS * (n + 1) * capacity
+        self.win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=comm)
+        memory, _ = self.win.Shared_query(0)
+        mem = np.frombuffer(memory, dtype=np.uint8, count=total)
+        # slot s: segments of ranks 0..n-1, then the result
+        self._segments = [[mem[(s * (n + 1) + q) * capacity:][:capacity] for q in range(n)]
+                          for s in range(_SLOTS)]
+        self._results = [mem[(s * (n + 1) + n) * capacity:][:capacity] for s in range(_SLOTS)]
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        for s in range(_SLOTS):
+            self._segments[s][self.rank][:] = 0
+            lo, hi = _slice_bounds(capacity, 1, n, self.rank)
+            self._results[s][lo:hi] = 0
+        self._slot = 0
+        self._staged: np.ndarray | None = None
+        self._sync()
+
+    @staticmethod
+    def fits_on_node(capacity: int, local_size: int) -> bool:
+        """Whether /dev/shm has room for the window twice over: a full tmpfs would let the
+        allocation succeed and kill the job with SIGBUS when a page is first touched."""
+        try:
+            stat = os.statvfs("/dev/shm")
+        except OSError:
+            return True  # no /dev/shm: MPI puts the window elsewhere and reports its own errors
+        return stat.f_bavail * stat.f_frsize >= 2 * _SLOTS * (local_size + 1) * capacity
+
+    def _sync(self) -> None:
+        """Every rank's writes to the window before this point are visible to every rank
+        after it (MPI-3 unified model: ``Win_sync``, barrier, ``Win_sync``)."""
+        self.win.Sync()
+        self.comm.Barrier()
+        self.win.Sync()
+
+    def stage(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """This rank's input for the next reduction: ``count`` elements of ``dtype`` in the
+        shared window, to be filled then passed to :meth:`reduce`."""
+        if count * dtype.itemsize > self.capacity:
+            raise ValueError(f"NodeAllreduce.stage: {count} x {dtype} is more than the "
+                             f"{self.capacity} bytes of a segment")
+        staged = self._segments[self._slot][self.rank][: count * dtype.itemsize].view(dtype)
+        self._staged = staged
+        return staged
+
+    def reduce(self, staged: np.ndarray, op: int) -> np.ndarray:
+        """Reduce every rank's staged input; returns the shared, read-only result, valid until
+        the call after next."""
+        if staged is not self._staged:
+            raise RuntimeError("NodeAllreduce.reduce: the buffer was not the last one staged")
+        self._staged = None
+        slot, dtype, count = self._slot, staged.dtype, staged.size
+        self._slot = (slot + 1) % _SLOTS
+        nbytes = count * dtype.itemsize
+        inputs = [seg[:nbytes].view(dtype) for seg in self._segments[slot]]
+        result = self._results[slot][:nbytes].view(dtype)
+        self._sync()  # every input written
+        lo, hi = _slice_bounds(count, dtype.itemsize, self.size, self.rank)
+        if hi > lo:
+            _reduce_into(result[lo:hi], [x[lo:hi] for x in inputs], op)
+        self._sync()  # every slice reduced
+        result.flags.writeable = False
+        return result
+
+    def free(self) -> None:
+        """Collective: release the window."""
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+def _reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: int) -> None:
+    """``out = inputs[0] op inputs[1] op ...``, in rank order, so every slice of the result is
+    computed the same way whichever rank owns it."""
+    if out.dtype in HALF_DTYPES:
+        if op != Sum:
+            raise ValueError(f"no {out.dtype} {OP_NAMES.get(op, op)}: reduce it in float32")
+        from .. import _native  # the engine stages half floats only when the extension is built
+
+        out[...] = inputs[0]
+        for x in inputs[1:]:
+            _native.reduce_sum(x, out)
+        return
+    ufunc = (_BOOL_UFUNCS if out.dtype == np.bool_ else _UFUNCS)[op]
+    with np.errstate(all="ignore"):  # overflow to inf is the answer, as from MPI, not a warning
+        ufunc(inputs[0], inputs[1], out=out)
+        for x in inputs[2:]:
+            ufunc(out, x, out=out)

@@ -1,0 +1,216 @@
+"""Run on every rank by test_node_allreduce.py: the shared-memory allreduce
+(``backends/shm.py``) against the MPI backend's allreduce of the same inputs, then its life inside
+hpc_horovod (created on first use, released when the ranks agree to stop, created again by the
+next ``init``).
+
+With 2 ranks every operation gives MPI's bits exactly (one reduction step, and ``a op b`` is
+commutative). With more ranks floating-point sums may round differently from MPI's order, so
+they are compared within rounding, and every rank must hold the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import hpc_horovod as hvd
+from hpc_horovod.backends.mpi import MpiBackend
+from hpc_horovod.backends.shm import NodeAllreduce
+from hpc_horovod.common import basics
+from hpc_horovod.common.types import Max, Min, Product, Sum
+
+try:
+    from hpc_horovod import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+CAPACITY = 1 << 16  # small, so that a few hundred KiB already go through several chunks
+COUNTS = [0, 1, 3, 17, 1000, CAPACITY // 4 + 5, 3 * CAPACITY + 1]
+
+
+def inputs(dtype: np.dtype, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, RANK])
+    if dtype == np.bool_:
+        return rng.random(n) < 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(max(info.min, -1000), min(info.max, 1000), n, dtype=dtype)
+    return (rng.standard_normal(n) * 4).astype(dtype)
+
+
+def node_allreduce(node: NodeAllreduce, x: np.ndarray, op: int) -> None:
+    """In place, through the window one segment at a time."""
+    step = CAPACITY // x.dtype.itemsize
+    for start in range(0, x.size, step):
+        part = x[start:start + step]
+        staged = node.stage(part.size, part.dtype)
+        staged[...] = part
+        part[...] = node.reduce(staged, op)
+
+
+def same_on_every_rank(a: np.ndarray, what: str) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+    assert len(set(COMM.allgather(digest))) == 1, f"{what}: ranks hold different results"
+
+
+def check_against_mpi(node: NodeAllreduce) -> None:
+    mpi = MpiBackend(COMM.Dup(), shared_memory=False)
+    seed = 0
+    for dtype in map(np.dtype, [np.float32, np.float64, np.int32, np.int64, np.uint8, np.bool_]):
+        ops = [Min, Max] if dtype == np.bool_ else [Sum, Min, Max, Product]
+        for op in ops:
+            for n in COUNTS:
+                seed += 1
+                x = inputs(dtype, n, seed)
+                want = x.copy()
+                mpi.allreduce(want, op)
+                got = x.copy()
+                with np.errstate(over="ignore", invalid="ignore"):
+                    node_allreduce(node, got, op)
+                what = f"{dtype} op {op}, {n} elements"
+                if dtype.kind == "f" and SIZE > 2 and op in (Sum, Product):
+                    # two orders of SIZE - 1 roundings each, of values at most sum(|x|)
+                    # (for a product: relative to the result)
+                    xs = np.abs(np.array(COMM.allgather(x), dtype=np.float64))
+                    scale = xs.sum(axis=0) if op == Sum else np.abs(want.astype(np.float64))
+                    bound = 2 * (SIZE - 1) * np.finfo(dtype).eps * scale
+                    error = np.abs(got.astype(np.float64) - want)
+                    assert np.all(error <= bound), f"{what}: off by {np.max(error - bound)}"
+                else:
+                    assert np.array_equal(got, want), what
+                same_on_every_rank(got, what)
+    # Open MPI 4.1's AVX sums saturate 8- and 16-bit integers; both paths must wrap, as numpy
+    for dtype in map(np.dtype, [np.uint8, np.int8, np.int16, np.uint16]):
+        big = np.iinfo(dtype).max - 5
+        for n in (3, 100):
+            for reduce in (lambda a: mpi.allreduce(a, Sum), lambda a: node_allreduce(node, a, Sum)):
+                got = np.full(n, big, dtype)
+                reduce(got)
+                want = (np.full(n, big, np.int64) * SIZE).astype(dtype)
+                assert np.array_equal(got, want), f"{dtype} sum of {n} did not wrap: {got[:3]}"
+    mpi.free()
+
+
+def check_half_sums(node: NodeAllreduce) -> None:
+    if _native is None:
+        return
+    for dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        for n in COUNTS:
+            x = inputs(np.dtype(np.float32), n, 7 + n).astype(dtype)
+            xs = COMM.allgather(x)
+            got = x.copy()
+            node_allreduce(node, got, Sum)
+            exact = sum(v.astype(np.float64) for v in xs)
+            if SIZE == 2:
+                want = (xs[0].astype(np.float32) + xs[1].astype(np.float32)).astype(dtype)
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (dtype, n)
+            else:
+                bound = float(ml_dtypes.finfo(dtype).eps) * (SIZE - 1) * (
+                    sum(np.abs(v.astype(np.float64)) for v in xs))
+                assert np.all(np.abs(got.astype(np.float64) - exact) <= bound + 1e-7), (dtype, n)
+            same_on_every_rank(got, f"{dtype} sum, {n} elements")
+
+
+def check_staging_under_skew(node: NodeAllreduce) -> None:
+    """Fill, reduce and read 200 buffers in a row with ranks arriving at random moments: a rank
+    that runs ahead fills the other slot while a slow one still reads the previous result."""
+    rng = np.random.default_rng(RANK)
+    for step in range(200):
+        n = int(rng.integers(1, CAPACITY // 4)) if step % 7 else CAPACITY // 4
+        n = COMM.bcast(n)
+        staged = node.stage(n, np.dtype(np.float32))
+        staged[...] = np.arange(n, dtype=np.float32) + step * (RANK + 1)
+        if rng.random() < 0.3:
+            time.sleep(float(rng.uniform(0, 2e-3)))
+        result = node.reduce(staged, Sum)
+        assert not result.flags.writeable, "the shared result must be read-only"
+        if rng.random() < 0.3:
+            time.sleep(float(rng.uniform(0, 2e-3)))
+        want = SIZE * np.arange(n, dtype=np.float32) + step * SIZE * (SIZE + 1) / 2
+        assert np.array_equal(result, want), f"step {step}: wrong result"
+    try:
+        node.stage(CAPACITY // 4 + 1, np.dtype(np.float32))
+    except ValueError as exc:
+        assert "more than the" in str(exc)
+    else:
+        raise AssertionError("stage accepted more than a segment")
+    staged = node.stage(4, np.dtype(np.float32))
+    try:
+        node.reduce(np.zeros(4, np.float32), Sum)
+    except RuntimeError as exc:
+        assert "not the last one staged" in str(exc)
+    else:
+        raise AssertionError("reduce accepted a buffer that was not staged")
+    node.reduce(staged, Sum)  # keep the ranks in step
+
+
+def hvd_backend():
+    return basics._require().engine.backend
+
+
+def check_inside_hpc_horovod() -> None:
+    for _ in range(2):  # the window is released at shutdown and created again
+        hvd.init()
+        backend = hvd_backend()
+        if os.environ.get("HOROVOD_SHM_DISABLE") == "1":
+            assert backend.fusion_capacity is None, "HOROVOD_SHM_DISABLE=1 kept the window"
+        else:
+            assert backend.fusion_capacity, "all ranks share this node but there is no window"
+        grads = [np.full(1000 + i, RANK + i, np.float32) for i in range(50)]
+        handles = [hvd.allreduce_async(g, name=f"g{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for i, h in enumerate(handles):
+            got = hvd.synchronize(h)
+            assert np.all(got == SIZE * i + SIZE * (SIZE - 1) / 2), f"fused tensor {i}"
+        handles = [hvd.allreduce_async_(g, name=f"g{i}") for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+        for i, g in enumerate(grads):
+            assert np.allclose(g, i + (SIZE - 1) / 2), f"in-place average {i}"
+        big = np.full(3 << 20, RANK + 1.0)  # alone, in place, through the window in chunks
+        hvd.allreduce_(big, op=hvd.Sum)
+        assert np.all(big == SIZE * (SIZE + 1) / 2)
+        hvd.shutdown()
+        assert hvd_or_none() is None
+
+
+def hvd_or_none():
+    return basics._state
+
+
+def check_early_shutdown() -> None:
+    """Rank 0 stops while the others still run: the cycle that tells them is where the window
+    is released, so nobody waits in a collective free for a rank that already left."""
+    hvd.init()
+    hvd.allreduce(np.ones(100_000, np.float32), name="warm")  # creates the window
+    if RANK == 0:
+        hvd.shutdown()
+    else:
+        time.sleep(0.5)
+        try:
+            hvd.allreduce(np.ones(10, np.float32), name="late")
+        except (hvd.HorovodInternalError, ValueError):
+            pass
+        hvd.shutdown()
+
+
+def main() -> None:
+    node = NodeAllreduce(COMM.Dup(), CAPACITY)
+    check_against_mpi(node)
+    check_half_sums(node)
+    check_staging_under_skew(node)
+    node.free()
+    check_inside_hpc_horovod()
+    check_early_shutdown()
+    print(f"rank {RANK}: node allreduce ok", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

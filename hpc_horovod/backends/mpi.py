@@ -1,8 +1,6 @@
 """mpi4py backend: host buffers over MPI.
 
-The negotiation collective is non-blocking and polled with a short back-off: a blocking
-Allreduce would spin a core at 100% while a peer computes, and on a node with one core per rank
-that steals the core the peer's own training needs.
+The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`).
 
 When every rank of the communicator is on one node, allreduces go through a shared-memory window
 instead (:mod:`.shm`): the engine packs fused groups straight into it (:meth:`MpiBackend.staging`)
@@ -11,28 +9,15 @@ and reads results straight out of it, which saves the two copies MPI would add.
 
 from __future__ import annotations
 
-import ctypes
-import threading
-import time
-
 import numpy as np
 from mpi4py import MPI
 
-from ..common.errors import HorovodInternalError
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .shm import NodeAllreduce, capacity_for
+from .waiting import RequestWaiter
 
 _OPS = {Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 _BOOL_OPS = {Min: MPI.LAND, Max: MPI.LOR}
-
-
-def _tight_sleeps() -> None:
-    """Ask Linux for 1 us timer slack on this thread so the back-off sleeps last microseconds,
-    not the default 50 us (PR_SET_TIMERSLACK)."""
-    try:
-        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 #: Open MPI 4.1's AVX reductions (its ``op/avx`` component, on by default) saturate sums of 8-
@@ -80,7 +65,8 @@ class MpiBackend:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._slack_threads: set[int] = set()  # threads that ran _tight_sleeps
+        self._waiter = RequestWaiter(self.size)
+        self._timeout_s = 0.0  # the engine's peer timeout, as given to negotiate
         #: bytes of the largest fused group the shared window takes; None: no window
         self.fusion_capacity: int | None = None
         self._node: NodeAllreduce | None = None  # created on first use (collective)
@@ -97,25 +83,9 @@ class MpiBackend:
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
         """In-place bitwise AND of ``words`` over the set; raise if peers never arrive."""
+        self._timeout_s = timeout_s
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
-        if req.Test():
-            return
-        if threading.get_ident() not in self._slack_threads:  # the engine's, or a waiter's
-            _tight_sleeps()
-            self._slack_threads.add(threading.get_ident())
-        start = time.perf_counter()
-        spin_until = start + 50e-6
-        while not req.Test():
-            now = time.perf_counter()
-            if now < spin_until:
-                continue
-            if timeout_s and now - start > timeout_s:
-                raise HorovodInternalError(
-                    f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s: a "
-                    "peer process died or is blocked outside Python (raise "
-                    "HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for longer)"
-                )
-            time.sleep(20e-6 if now - start < 0.01 else 200e-6)
+        self._waiter.wait(req, timeout_s, "negotiation")
 
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
@@ -141,13 +111,14 @@ class MpiBackend:
         if self.fusion_capacity is None or count * dtype.itemsize > self.fusion_capacity:
             return None
         if self._node is None:  # every rank gets here at the same agreed allreduce
-            self._node = NodeAllreduce(self.comm, self.fusion_capacity)
+            self._node = NodeAllreduce(self.comm, self.fusion_capacity, self._waiter)
         return self._node.stage(count, dtype)
 
     def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
         """Reduce what every rank packed into :meth:`staging`'s buffer; returns the shared,
-        read-only result, valid until the next call's result is read."""
-        return self._node.reduce(staged, op)
+        read-only result, valid until the next call's result is read. Waits for peers as long
+        as a negotiation would."""
+        return self._node.reduce(staged, op, self._timeout_s)
 
     def allreduce(self, buf: np.ndarray, op: int) -> None:
         """In place, through MPI whatever the window: for one contiguous buffer MPI's

@@ -7,9 +7,11 @@ shared result: a fused group costs the copies MPI would make anyway (pack into t
 rank reducing 1/n of the buffer across every segment, unpack from the result) and nothing more.
 
 Two barriers order the phases of one reduction: every segment written, then every slice
-reduced. Two slots alternate, so a rank may fill the next buffer while a slower peer still reads
-the previous result: a slot is written again only after the next reduction's barriers, which no
-rank passes before every peer has finished reading it.
+reduced. They are polled non-blocking barriers with the engine's peer timeout, so a peer that
+died mid-group is reported instead of waited for. Two slots alternate, so a rank may fill the
+next buffer while a slower peer still reads the previous result: a slot is written again only
+after the next reduction's barriers, which no rank passes before every peer has finished
+reading it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+from .waiting import RequestWaiter
 
 _UFUNCS = {Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 _BOOL_UFUNCS = {Min: np.logical_and, Max: np.logical_or}
@@ -50,8 +53,9 @@ class NodeAllreduce:
     own pages, which places them on its NUMA node).
     """
 
-    def __init__(self, comm: MPI.Comm, capacity: int):
+    def __init__(self, comm: MPI.Comm, capacity: int, waiter: RequestWaiter | None = None):
         self.comm = comm
+        self._waiter = waiter or RequestWaiter(comm.Get_size())
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.capacity = capacity
         n = self.size
@@ -70,7 +74,7 @@ class NodeAllreduce:
             self._results[s][lo:hi] = 0
         self._slot = 0
         self._staged: np.ndarray | None = None
-        self._sync()
+        self._sync(0.0, "creating the shared window")
 
     @staticmethod
     def fits_on_node(capacity: int, local_size: int) -> bool:
@@ -82,11 +86,11 @@ class NodeAllreduce:
             return True  # no /dev/shm: MPI puts the window elsewhere and reports its own errors
         return stat.f_bavail * stat.f_frsize >= 2 * _SLOTS * (local_size + 1) * capacity
 
-    def _sync(self) -> None:
+    def _sync(self, timeout_s: float, what: str) -> None:
         """Every rank's writes to the window before this point are visible to every rank
         after it (MPI-3 unified model: ``Win_sync``, barrier, ``Win_sync``)."""
         self.win.Sync()
-        self.comm.Barrier()
+        self._waiter.wait(self.comm.Ibarrier(), timeout_s, what)
         self.win.Sync()
 
     def stage(self, count: int, dtype: np.dtype) -> np.ndarray:
@@ -99,9 +103,10 @@ class NodeAllreduce:
         self._staged = staged
         return staged
 
-    def reduce(self, staged: np.ndarray, op: int) -> np.ndarray:
+    def reduce(self, staged: np.ndarray, op: int, timeout_s: float = 0.0) -> np.ndarray:
         """Reduce every rank's staged input; returns the shared, read-only result, valid until
-        the call after next."""
+        the call after next. Raises HorovodInternalError when a peer does not come within
+        ``timeout_s`` (0: wait for ever)."""
         if staged is not self._staged:
             raise RuntimeError("NodeAllreduce.reduce: the buffer was not the last one staged")
         self._staged = None
@@ -110,11 +115,12 @@ class NodeAllreduce:
         nbytes = count * dtype.itemsize
         inputs = [seg[:nbytes].view(dtype) for seg in self._segments[slot]]
         result = self._results[slot][:nbytes].view(dtype)
-        self._sync()  # every input written
+        what = f"shared-memory allreduce of {count} x {dtype}"
+        self._sync(timeout_s, what)  # every input written
         lo, hi = _slice_bounds(count, dtype.itemsize, self.size, self.rank)
         if hi > lo:
             _reduce_into(result[lo:hi], [x[lo:hi] for x in inputs], op)
-        self._sync()  # every slice reduced
+        self._sync(timeout_s, what)  # every slice reduced
         result.flags.writeable = False
         return result
 

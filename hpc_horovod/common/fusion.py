@@ -3,9 +3,9 @@
 Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
 pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
-unpacking them copies nothing; in-place requests are written back, and when every rank is on one
-node their group is packed into and read back from a shared window (``backends/shm.py``), which
-spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
+unpacking them copies nothing; in-place requests are written back. When every rank is on one
+node, groups are packed into and read back from a shared window instead (``backends/shm.py``),
+which spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
 extension provides MPI operations for them.
 """
 
@@ -128,20 +128,17 @@ class FusedAllreduce:
         if sig.device:
             _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
             return
-        joined = None in reqs
-        if len(reqs) == 1 and wire == dtype and not joined:
-            _reduce_one(backend, reqs[0], op, pre, post)
+        if len(reqs) == 1 and wire == dtype:
+            _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
             return
-        if joined:
+        if None in reqs:
             parts = [req.tensor if req is not None else np.zeros(n, dtype)
                      for req, n in zip(reqs, self.sizes)]
         else:
             parts = [req.tensor for req in reqs]
-        # Results handed out as views need a buffer of their own (fresh from the pool); results
-        # copied out anyway (in place, or narrowed from a wider wire type) are read straight
-        # from the node's shared window when the backend has one, which saves MPI's copies.
-        as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
-        staged = None if as_views else backend.staging(self.total, wire)
+        # The path must be the same on every rank, so it depends only on what they agreed
+        # (the group, the backend), never on this rank's requests (in place or not, joined).
+        staged = backend.staging(self.total, wire)
         buf = staged if staged is not None else pool.empty((self.total,), wire)
         # One call packs the whole group, scaling and widening on the way.
         if _native is not None and (pre == 1.0 or dtype.kind == "f"):
@@ -150,13 +147,21 @@ class FusedAllreduce:
             np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
             _scale_inplace(buf, pre)
         if staged is not None:
-            self._unpack(reqs, backend.reduce_staged(staged, op), dtype, post)
-            return
-        backend.allreduce(buf, op)
+            reduced = backend.reduce_staged(staged, op)
+        else:
+            backend.allreduce(buf, op)
+            reduced = buf
+        as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
         if not as_views:
-            self._unpack(reqs, buf, dtype, post)
+            self._unpack(reqs, reduced, dtype, post)
             return
-        _scale_inplace(buf, post)
+        # Out-of-place results are views of one buffer of their own: the fusion buffer when
+        # it came from the pool, else one copy of the shared result (the window is reused).
+        if staged is not None:
+            buf = pool.empty((self.total,), dtype)
+            _scale_into(reduced, post, buf)
+        else:
+            _scale_inplace(buf, post)
         if self.flat:
             for req, (a, b) in zip(reqs, self.bounds):
                 if req is not None:
@@ -207,7 +212,11 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
             req.result = out
 
 
-def _reduce_one(backend, req: Request, op: int, pre: float, post: float) -> None:
+def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.dtype, op: int,
+                pre: float, post: float) -> None:
+    if req is None:  # a joined rank's share: zeros, and the result is dropped
+        backend.allreduce(np.zeros(shape, dtype), op)
+        return
     if req.output is not None:
         out = req.output
         if out is not req.tensor:

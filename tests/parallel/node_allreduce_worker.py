@@ -46,6 +46,30 @@ def inputs(dtype: np.dtype, n: int, seed: int) -> np.ndarray:
     return (rng.standard_normal(n) * 4).astype(dtype)
 
 
+def check_absent_peer_is_reported() -> None:
+    """Rank 0 waits in the window's barrier for peers that come 1 s late: with a 0.3 s
+    timeout it gets an error naming the reduction instead of a hang. Its pending barrier
+    then completes with the latecomers', and one more barrier lets them through the second."""
+    comm = COMM.Dup()
+    node = NodeAllreduce(comm, CAPACITY)
+    staged = node.stage(4, np.dtype(np.float32))
+    staged[...] = 1.0
+    if RANK == 0:
+        try:
+            node.reduce(staged, Sum, timeout_s=0.3)
+        except hvd.HorovodInternalError as exc:
+            assert "no answer from some of the" in str(exc), exc
+            assert "shared-memory allreduce of 4 x float32" in str(exc), exc
+        else:
+            raise AssertionError("no error although the peers never came")
+        comm.Ibarrier().Wait()
+    else:
+        time.sleep(1.0)
+        node.reduce(staged, Sum, timeout_s=30)
+    node.free()
+    comm.Free()
+
+
 def node_allreduce(node: NodeAllreduce, x: np.ndarray, op: int) -> None:
     """In place, through the window one segment at a time."""
     step = CAPACITY // x.dtype.itemsize
@@ -181,6 +205,33 @@ def check_inside_hpc_horovod() -> None:
         assert hvd_or_none() is None
 
 
+def check_ranks_that_differ_locally() -> None:
+    """In place on some ranks, out of place on others, joined on others: every rank must take
+    the same path through the window (a rank reducing through MPI while its peers wait in the
+    window's barriers would hang)."""
+    hvd.init()
+    for step in range(3):
+        grads = [np.full(300 + i, RANK + 1.0, np.float32) for i in range(6)]
+        in_place = (RANK + step) % 2 == 0
+        submit = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+        handles = [submit(g, name=f"mixed{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        for h in handles:
+            got = hvd.synchronize(h)
+            assert np.all(got == SIZE * (SIZE + 1) / 2), f"step {step}: mixed paths"
+    if RANK == SIZE - 1:  # the last rank joins at once and contributes zeros
+        hvd.join()
+    else:
+        for shapes in ([(5,), (7, 3), (11,)], [(100,)]):  # a fused group, a single tensor
+            tensors = [np.full(shape, 2.0, np.float32) for shape in shapes]
+            handles = [hvd.allreduce_async_(t, name=f"joined{len(shapes)}.{i}", op=hvd.Sum)
+                       for i, t in enumerate(tensors)]
+            for t, h in zip(tensors, handles):
+                hvd.synchronize(h)
+                assert np.all(t == 2.0 * (SIZE - 1)), "a joined rank must contribute zeros"
+        hvd.join()
+    hvd.shutdown()
+
+
 def hvd_or_none():
     return basics._state
 
@@ -207,7 +258,9 @@ def main() -> None:
     check_half_sums(node)
     check_staging_under_skew(node)
     node.free()
+    check_absent_peer_is_reported()
     check_inside_hpc_horovod()
+    check_ranks_that_differ_locally()
     check_early_shutdown()
     print(f"rank {RANK}: node allreduce ok", flush=True)
 

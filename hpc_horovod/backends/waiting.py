@@ -1,0 +1,53 @@
+"""Waiting for a non-blocking MPI request: a short spin, then short sleeps, and a deadline.
+
+A blocking collective spins a core at 100% while a peer computes (on a node with one core per
+rank that steals the core the peer's own training needs) and never gives up on a peer that died.
+Polling with a back-off costs microseconds and turns a dead peer into an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+from ..common.errors import HorovodInternalError
+
+
+def _tight_sleeps() -> None:
+    """Ask Linux for 1 us timer slack on this thread so the back-off sleeps last microseconds,
+    not the default 50 us (PR_SET_TIMERSLACK)."""
+    try:
+        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class RequestWaiter:
+    """Waits for the requests of one communicator of ``size`` ranks."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._slack_threads: set[int] = set()  # threads that ran _tight_sleeps
+
+    def wait(self, req, timeout_s: float, what: str) -> None:
+        """Return once ``req`` completes; raise HorovodInternalError after ``timeout_s``
+        (0: never) naming ``what`` was waited for."""
+        if req.Test():
+            return
+        if threading.get_ident() not in self._slack_threads:  # the engine's, or a waiter's
+            _tight_sleeps()
+            self._slack_threads.add(threading.get_ident())
+        start = time.perf_counter()
+        spin_until = start + 50e-6
+        while not req.Test():
+            now = time.perf_counter()
+            if now < spin_until:
+                continue
+            if timeout_s and now - start > timeout_s:
+                raise HorovodInternalError(
+                    f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s "
+                    f"({what}): a peer process died or is blocked outside Python (raise "
+                    "HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for longer)"
+                )
+            time.sleep(20e-6 if now - start < 0.01 else 200e-6)

@@ -269,12 +269,28 @@ class Contenders:
                     hvd.synchronize(h)
             return run
 
+        def through_mpi(run):
+            # the same op with the node's shared window off, as HOROVOD_SHM_DISABLE=1 gives
+            backend = basics._require().engine.backend
+
+            def run_without_window():
+                saved, backend.fusion_capacity = backend.fusion_capacity, None
+                try:
+                    run()
+                finally:
+                    backend.fusion_capacity = saved
+            return run_without_window
+
         cases = {
             "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name="np" + n)),
                           refill),
             "hvd numpy in-place": (
                 ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
         }
+        if getattr(basics._require().engine.backend, "fusion_capacity", None):
+            cases["hvd numpy, no shared window"] = (through_mpi(cases["hvd numpy"][0]), refill)
+            cases["hvd numpy in-place, no shared window"] = (
+                through_mpi(cases["hvd numpy in-place"][0]), refill)
         if self.hvd_torch is not None:
             ts = [self._tensor(x) for x in xs]
 

@@ -49,6 +49,7 @@ from .negotiation import (
     FLAG_SHUTDOWN,
     FLAG_STALL,
     FLAG_UNCACHED,
+    FLAG_WRITES_BACK,
     ResponseCache,
     iter_bits,
     match,
@@ -413,7 +414,10 @@ class Engine:
                 or_flags |= FLAG_ABORT
         if shutdown_reason is not None:
             or_flags |= FLAG_SHUTDOWN
-        words = pack_words(or_flags, FLAG_JOINED if joined else 0, bits, cache.nwords)
+        and_flags = FLAG_JOINED if joined else 0
+        if all(req.output is not None for req in pending.values()):
+            and_flags |= FLAG_WRITES_BACK
+        words = pack_words(or_flags, and_flags, bits, cache.nwords)
         backend.negotiate(words, settings.peer_timeout_s)
         or_all, and_all, ready_bits = unpack_words(words)
         all_joined = bool(and_all & FLAG_JOINED)
@@ -436,7 +440,7 @@ class Engine:
                 plan = Plan(names, sigs, settings.fusion_threshold, backend.fusion_capacity)
                 reqs = [reqs[i] for i in plan.order]
         if plan is not None:
-            self._execute(ps, plan, reqs)
+            self._execute(ps, plan, reqs, bool(and_all & FLAG_WRITES_BACK))
         if all_joined:
             self._finish_join(ps)
         with self._done:
@@ -493,12 +497,15 @@ class Engine:
             return True
         return False
 
-    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None]) -> None:
+    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None],
+                 writes_back: bool) -> None:
+        """Run the plan's steps; ``writes_back``: every rank's requests write their results
+        into outputs (agreed in the negotiation), so fused groups may use a shared window."""
         backend, tl = ps.backend, self.timeline
         for activity, start, stop, fused in plan.steps:
             sigs, group = plan.sigs[start:stop], reqs[start:stop]
             if fused is not None:
-                fn = functools.partial(fused, backend, group)
+                fn = functools.partial(fused, backend, group, writes_back)
             elif activity == "ALLGATHER":
                 fn = functools.partial(allgather_group, backend, list(zip(sigs, group)))
             else:

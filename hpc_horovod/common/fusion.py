@@ -4,8 +4,9 @@ Scaling is folded into the copies that happen anyway: for Sum/Average on floatin
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
 pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
 unpacking them copies nothing; in-place requests are written back. When every rank is on one
-node, groups are packed into and read back from a shared window instead (``backends/shm.py``),
-which spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
+node and every rank's requests of the cycle are in place (a training step's gradients), groups
+are packed into and read back from a shared window instead (``backends/shm.py``), which spares
+MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
 extension provides MPI operations for them.
 """
 
@@ -117,9 +118,10 @@ class FusedAllreduce:
         self.total = offset
         self.flat = all(len(shape) == 1 for shape in self.shapes)
 
-    def __call__(self, backend, reqs: list[Request | None]) -> None:
+    def __call__(self, backend, reqs: list[Request | None], writes_back: bool = False) -> None:
         """Reduce ``reqs`` (in this group's order). A ``None`` request is a joined rank's
-        share: it contributes zeros."""
+        share: it contributes zeros. ``writes_back``: every rank agreed that all its requests
+        write their results into outputs, none handed out as views of the fusion buffer."""
         sig = self.sig
         dtype = np.dtype(sig.dtype)
         op = Sum if sig.op == Average else sig.op
@@ -136,9 +138,11 @@ class FusedAllreduce:
                      for req, n in zip(reqs, self.sizes)]
         else:
             parts = [req.tensor for req in reqs]
-        # The path must be the same on every rank, so it depends only on what they agreed
-        # (the group, the backend), never on this rank's requests (in place or not, joined).
-        staged = backend.staging(self.total, wire)
+        # Results copied out anyway are read straight from the node's shared window when there
+        # is one; results handed out as views need a fusion buffer of their own (a copy out of
+        # the window would cost what the window saves). The choice must be the same on every
+        # rank, so it rests on what they agreed, never on this rank's own requests.
+        staged = backend.staging(self.total, wire) if writes_back else None
         buf = staged if staged is not None else pool.empty((self.total,), wire)
         # One call packs the whole group, scaling and widening on the way.
         if _native is not None and (pre == 1.0 or dtype.kind == "f"):
@@ -155,13 +159,8 @@ class FusedAllreduce:
         if not as_views:
             self._unpack(reqs, reduced, dtype, post)
             return
-        # Out-of-place results are views of one buffer of their own: the fusion buffer when
-        # it came from the pool, else one copy of the shared result (the window is reused).
-        if staged is not None:
-            buf = pool.empty((self.total,), dtype)
-            _scale_into(reduced, post, buf)
-        else:
-            _scale_inplace(buf, post)
+        # Views of the fusion buffer, fresh from the pool (staged groups always write back).
+        _scale_inplace(buf, post)
         if self.flat:
             for req, (a, b) in zip(reqs, self.bounds):
                 if req is not None:

@@ -198,6 +198,8 @@ def check_inside_hpc_horovod() -> None:
             hvd.synchronize(h)
         for i, g in enumerate(grads):
             assert np.allclose(g, i + (SIZE - 1) / 2), f"in-place average {i}"
+        # out of place, the group went through MPI; in place, through the window
+        assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
         big = np.full(3 << 20, RANK + 1.0)  # alone, in place, through the window in chunks
         hvd.allreduce_(big, op=hvd.Sum)
         assert np.all(big == SIZE * (SIZE + 1) / 2)

@@ -234,6 +234,24 @@ def check_ranks_that_differ_locally() -> None:
     hvd.shutdown()
 
 
+def check_process_set_window() -> None:
+    """A process set's backend has a window of its own, released when the set is removed."""
+    hvd.init()
+    ps = hvd.add_process_set([0, 1])
+    if RANK in (0, 1):
+        grads = [np.full(100 + i, RANK + 1.0, np.float32) for i in range(4)]
+        handles = [hvd.allreduce_async_(g, name=f"ps{i}", op=hvd.Sum, process_set=ps)
+                   for i, g in enumerate(grads)]
+        for h in handles:
+            hvd.synchronize(h)
+        assert all(np.all(g == 3.0) for g in grads), "process set allreduce"
+        sets = basics._require().engine._sets
+        backend = sets[ps.process_set_id].backend
+        assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
+    hvd.remove_process_set(ps)
+    hvd.shutdown()
+
+
 def hvd_or_none():
     return basics._state
 
@@ -263,6 +281,7 @@ def main() -> None:
     check_absent_peer_is_reported()
     check_inside_hpc_horovod()
     check_ranks_that_differ_locally()
+    check_process_set_window()
     check_early_shutdown()
     print(f"rank {RANK}: node allreduce ok", flush=True)
 

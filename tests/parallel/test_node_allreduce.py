@@ -1,6 +1,7 @@
 """The shared-memory allreduce over real MPI processes on one node (2, 3 and 4 ranks, the last
 two oversubscribing the machine): results against MPI's own Allreduce, the staging slots under
-skewed ranks, and the window's life inside hpc_horovod (see node_allreduce_worker.py)."""
+skewed ranks, and the window's life inside hpc_horovod, process sets included (see
+node_allreduce_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_node_allreduce_matches_mpi(mpirun, ranks):
-    proc = mpirun(ranks, WORKER, timeout=240)
+    proc = mpirun(ranks, WORKER, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     for rank in range(ranks):
         assert f"rank {rank}: node allreduce ok" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_shm_disable_keeps_every_allreduce_in_mpi(mpirun):
-    proc = mpirun(2, WORKER, timeout=240, env={"HOROVOD_SHM_DISABLE": "1"})
+    proc = mpirun(2, WORKER, timeout=240,
+                  env={"HOROVOD_SHM_DISABLE": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     for rank in range(2):
         assert f"rank {rank}: node allreduce ok" in proc.stdout, proc.stdout + proc.stderr

@@ -7,14 +7,14 @@
 
 /* ---- scalar reference ------------------------------------------------------------------------ */
 
-static void sum_f16_scalar(const uint16_t *in, uint16_t *inout, size_t n) {
+static void sum_f16_scalar(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n) {
     for (size_t i = 0; i < n; i++)
-        inout[i] = hh_f32_to_f16(hh_f16_to_f32(in[i]) + hh_f16_to_f32(inout[i]));
+        out[i] = hh_f32_to_f16(hh_f16_to_f32(a[i]) + hh_f16_to_f32(b[i]));
 }
 
-static void sum_bf16_scalar(const uint16_t *in, uint16_t *inout, size_t n) {
+static void sum_bf16_scalar(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n) {
     for (size_t i = 0; i < n; i++)
-        inout[i] = hh_f32_to_bf16(hh_bf16_to_f32(in[i]) + hh_bf16_to_f32(inout[i]));
+        out[i] = hh_f32_to_bf16(hh_bf16_to_f32(a[i]) + hh_bf16_to_f32(b[i]));
 }
 
 static void f16_to_f32_scalar(const uint16_t *src, float *dst, size_t n) {
@@ -79,24 +79,26 @@ HH_AVX2 static inline void store_bf16x8(uint16_t *p, __m256 v) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
 }
 
-HH_AVX2 static void sum_f16_avx2(const uint16_t *in, uint16_t *inout, size_t n) {
+HH_AVX2 static void sum_f16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
+                                  size_t n) {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256 a0 = _mm256_add_ps(load_f16x8(in + i), load_f16x8(inout + i));
-        __m256 a1 = _mm256_add_ps(load_f16x8(in + i + 8), load_f16x8(inout + i + 8));
-        store_f16x8(inout + i, a0);
-        store_f16x8(inout + i + 8, a1);
+        __m256 s0 = _mm256_add_ps(load_f16x8(a + i), load_f16x8(b + i));
+        __m256 s1 = _mm256_add_ps(load_f16x8(a + i + 8), load_f16x8(b + i + 8));
+        store_f16x8(out + i, s0);
+        store_f16x8(out + i + 8, s1);
     }
     for (; i + 8 <= n; i += 8)
-        store_f16x8(inout + i, _mm256_add_ps(load_f16x8(in + i), load_f16x8(inout + i)));
-    sum_f16_scalar(in + i, inout + i, n - i);
+        store_f16x8(out + i, _mm256_add_ps(load_f16x8(a + i), load_f16x8(b + i)));
+    sum_f16_scalar(a + i, b + i, out + i, n - i);
 }
 
-HH_AVX2 static void sum_bf16_avx2(const uint16_t *in, uint16_t *inout, size_t n) {
+HH_AVX2 static void sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
+                                   size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
-        store_bf16x8(inout + i, _mm256_add_ps(load_bf16x8(in + i), load_bf16x8(inout + i)));
-    sum_bf16_scalar(in + i, inout + i, n - i);
+        store_bf16x8(out + i, _mm256_add_ps(load_bf16x8(a + i), load_bf16x8(b + i)));
+    sum_bf16_scalar(a + i, b + i, out + i, n - i);
 }
 
 HH_AVX2 static void f16_to_f32_avx2(const uint16_t *src, float *dst, size_t n) {

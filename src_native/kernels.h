@@ -11,9 +11,9 @@
 
 typedef struct {
     const char *name;
-    /* inout[i] = round(float(in[i]) + float(inout[i])): one reduction step */
-    void (*sum_f16)(const uint16_t *in, uint16_t *inout, size_t n);
-    void (*sum_bf16)(const uint16_t *in, uint16_t *inout, size_t n);
+    /* out[i] = round(float(a[i]) + float(b[i])): one reduction step; out may be a or b */
+    void (*sum_f16)(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n);
+    void (*sum_bf16)(const uint16_t *a, const uint16_t *b, uint16_t *out, size_t n);
     void (*f16_to_f32)(const uint16_t *src, float *dst, size_t n);
     void (*bf16_to_f32)(const uint16_t *src, float *dst, size_t n);
     void (*f32_to_f16)(const float *src, uint16_t *dst, size_t n);

@@ -4,7 +4,7 @@
  *                               16-bit on the wire
  *   half_sum_op(dtype)          the MPI_Op handle (an int for MPI.Op.fromhandle) summing 'float16'
  *                               or 'bfloat16' elements sent as a 2-byte datatype
- *   reduce_sum(src, inout)      one reduction step on local buffers, as the MPI_Op does it
+ *   reduce_sum(src, inout, out) one reduction step on local buffers, as the MPI_Op does it
  *   pack(arrays, out, factor)   copy arrays back to back into out, times factor, casting
  *   unpack(buf, outputs, factor) the reverse
  *   kernels(), available_kernels(), use_kernels(name)  which SIMD flavour runs the loops
@@ -254,21 +254,31 @@ static PyObject *py_unpack(PyObject *self, PyObject *args, PyObject *kwargs) {
 }
 
 PyDoc_STRVAR(reduce_sum_doc,
-"reduce_sum(src, inout) -> None\n\n"
-"``inout[i] = round(float32(src[i]) + float32(inout[i]))`` for float16 or bfloat16 arrays of\n"
-"the same type and size: one step of the MPI reduction, on local memory.");
+"reduce_sum(src, inout, out=None) -> None\n\n"
+"``out[i] = round(float32(src[i]) + float32(inout[i]))`` for float16 or bfloat16 arrays of\n"
+"the same type and size: one step of the MPI reduction, on local memory. Without ``out`` the\n"
+"sum replaces ``inout``; with it, ``inout`` is only read.");
 
-static PyObject *py_reduce_sum(PyObject *self, PyObject *args) {
-    PyObject *src_obj, *inout_obj;
-    array_view src, inout;
-    if (!PyArg_ParseTuple(args, "OO:reduce_sum", &src_obj, &inout_obj))
+static PyObject *py_reduce_sum(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"src", "inout", "out", NULL};
+    PyObject *src_obj, *inout_obj, *out_obj = Py_None;
+    array_view src, inout, out;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:reduce_sum", keywords, &src_obj,
+                                     &inout_obj, &out_obj))
         return NULL;
+    int separate = out_obj != Py_None;
     if (get_array(src_obj, 0, &src, "reduce_sum", "src", -1) != 0)
         return NULL;
-    if (get_array(inout_obj, 1, &inout, "reduce_sum", "inout", -1) != 0) {
+    if (get_array(inout_obj, !separate, &inout, "reduce_sum", "inout", -1) != 0) {
         PyBuffer_Release(&src.view);
         return NULL;
     }
+    if (separate && get_array(out_obj, 1, &out, "reduce_sum", "out", -1) != 0) {
+        PyBuffer_Release(&src.view);
+        PyBuffer_Release(&inout.view);
+        return NULL;
+    }
+    const array_view *dst = separate ? &out : &inout;
     PyObject *result = NULL;
     if (src.kind != inout.kind || (src.kind != HH_F16 && src.kind != HH_BF16)) {
         PyErr_Format(PyExc_TypeError, "reduce_sum: src and inout must both be float16 or both "
@@ -276,17 +286,22 @@ static PyObject *py_reduce_sum(PyObject *self, PyObject *args) {
     } else if (src.count != inout.count) {
         PyErr_Format(PyExc_ValueError, "reduce_sum: src has %zd elements but inout has %zd",
                      src.count, inout.count);
+    } else if (separate && (out.kind != src.kind || out.count != src.count)) {
+        PyErr_Format(PyExc_ValueError, "reduce_sum: out must be %zd elements of %s, not %zd of %s",
+                     src.count, format_name(&src), out.count, format_name(&out));
     } else {
         Py_BEGIN_ALLOW_THREADS
         if (src.kind == HH_F16)
-            hh_active->sum_f16(src.view.buf, inout.view.buf, (size_t)src.count);
+            hh_active->sum_f16(src.view.buf, inout.view.buf, dst->view.buf, (size_t)src.count);
         else
-            hh_active->sum_bf16(src.view.buf, inout.view.buf, (size_t)src.count);
+            hh_active->sum_bf16(src.view.buf, inout.view.buf, dst->view.buf, (size_t)src.count);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&src.view);
     PyBuffer_Release(&inout.view);
+    if (separate)
+        PyBuffer_Release(&out.view);
     return result;
 }
 
@@ -373,7 +388,8 @@ static PyObject *py_use_kernels(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"has_half_sum", py_has_half_sum, METH_NOARGS, has_half_sum_doc},
     {"half_sum_op", py_half_sum_op, METH_O, half_sum_op_doc},
-    {"reduce_sum", py_reduce_sum, METH_VARARGS, reduce_sum_doc},
+    {"reduce_sum", (PyCFunction)(void (*)(void))py_reduce_sum, METH_VARARGS | METH_KEYWORDS,
+     reduce_sum_doc},
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_VARARGS | METH_KEYWORDS, unpack_doc},
     {"kernels", py_kernels, METH_NOARGS,

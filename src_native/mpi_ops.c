@@ -25,11 +25,13 @@ static size_t element_count(const int *len, const MPI_Datatype *type) {
 }
 
 static void sum_f16(void *in, void *inout, int *len, MPI_Datatype *type) {
-    hh_active->sum_f16((const uint16_t *)in, (uint16_t *)inout, element_count(len, type));
+    hh_active->sum_f16((const uint16_t *)in, (const uint16_t *)inout, (uint16_t *)inout,
+                       element_count(len, type));
 }
 
 static void sum_bf16(void *in, void *inout, int *len, MPI_Datatype *type) {
-    hh_active->sum_bf16((const uint16_t *)in, (uint16_t *)inout, element_count(len, type));
+    hh_active->sum_bf16((const uint16_t *)in, (const uint16_t *)inout, (uint16_t *)inout,
+                        element_count(len, type));
 }
 
 int hh_ops_ready(void) {

@@ -138,8 +138,8 @@ def _reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: int) -> None:
             raise ValueError(f"no {out.dtype} {OP_NAMES.get(op, op)}: reduce it in float32")
         from .. import _native  # the engine stages half floats only when the extension is built
 
-        out[...] = inputs[0]
-        for x in inputs[1:]:
+        _native.reduce_sum(inputs[0], inputs[1], out)
+        for x in inputs[2:]:
             _native.reduce_sum(x, out)
         return
     ufunc = (_BOOL_UFUNCS if out.dtype == np.bool_ else _UFUNCS)[op]

@@ -80,6 +80,22 @@ def test_reduce_sum_rounds_the_float32_sum_to_nearest_even(kernels, dtype):
         assert_same(inout, want)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+def test_reduce_sum_into_a_third_array_leaves_its_inputs(kernels, dtype):
+    rng = np.random.default_rng(2)
+    for n in (0, 1, 7, 8, 9, 16, 17, 1000):
+        a, b = ((rng.standard_normal(n) * 100).astype(dtype) for _ in range(2))
+        a0, b0 = a.copy(), b.copy()
+        want = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
+        out = np.full(n, 7, dtype)
+        _native.reduce_sum(a, b, out)
+        assert_same(out, want)
+        assert_same(a, a0)
+        assert_same(b, b0)
+        _native.reduce_sum(a, b, out=a)  # out may be an input
+        assert_same(a, want)
+
+
 def test_kernels_cover_odd_lengths(kernels):
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 8, 9, 15, 16, 17, 33):
@@ -206,6 +222,10 @@ def read_only(a: np.ndarray) -> np.ndarray:
      "not float32 and float32"),
     (lambda: _native.reduce_sum(np.ones(4, F16), np.ones(5, F16)), ValueError,
      "src has 4 elements but inout has 5"),
+    (lambda: _native.reduce_sum(np.ones(4, F16), np.ones(4, F16), np.empty(3, F16)), ValueError,
+     "out must be 4 elements of float16, not 3 of float16"),
+    (lambda: _native.reduce_sum(np.ones(4, F16), np.ones(4, F16), np.empty(4, BF16)), ValueError,
+     "out must be 4 elements of float16, not 4 of bfloat16"),
     (lambda: _native.half_sum_op("float32"), ValueError, "float16 or bfloat16, not float32"),
     (lambda: _native.use_kernels("avx1024"), ValueError, "this CPU cannot run 'avx1024'"),
 ], ids=lambda x: x if isinstance(x, str) else "")

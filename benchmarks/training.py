@@ -1,12 +1,19 @@
-"""Training throughput and scaling: hpc_horovod.torch against torch DistributedDataParallel.
+"""Training throughput and scaling: hpc_horovod (torch and TensorFlow) against torch
+DistributedDataParallel and, when it is importable, Horovod.
 
-One run measures the same model and per-process batch with 1 and 2 processes, for
-``hpc_horovod.torch.DistributedOptimizer`` (launched with ``hpc-horovod run``) and for torch's
-``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1), one compute thread per
-process, and prints images/s per process, in total, and the scaling efficiency
-(total with N processes / (N x one process)). Each configuration runs ``--rounds`` times,
-interleaved with the others; the table shows the best round (the fairest number on a machine
-shared with other work) and the JSON keeps every round.
+One run measures the same model (a small CNN, built in torch and in Keras with the same layers)
+on the same synthetic data with 1 and 2 processes, for:
+
+* ``hpc_horovod.torch.DistributedOptimizer`` (launched with ``hpc-horovod run``);
+* ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step (same launcher);
+* torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
+* ``horovod.torch.DistributedOptimizer``, the same script as ours with ``horovod.torch`` in
+  place of ``hpc_horovod.torch``, when Horovod is importable (skipped, and said so, when not).
+
+Every process uses one compute thread. The script prints images/s per process, in total, and
+the scaling efficiency (total with N processes / (N x one process)). Each configuration runs
+``--rounds`` times, interleaved with the others; the table shows the best round (the fairest
+number on a machine shared with other work) and the JSON keeps every round.
 
     python benchmarks/training.py            # table on stdout, JSON in benchmarks/out/
 """
@@ -63,11 +70,13 @@ def measure(model, optimizer, batch_size: int, warmup: int, steps: int, rank: in
     return batch_size * steps / (time.perf_counter() - start)
 
 
-def hvd_worker(args) -> None:
+def torch_worker(args, module: str) -> None:
+    """``module``: ``hpc_horovod.torch`` or ``horovod.torch``, which share one API."""
+    import importlib
+
     import torch
 
-    import hpc_horovod.torch as hvd
-
+    hvd = importlib.import_module(module)
     torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
@@ -78,6 +87,60 @@ def hvd_worker(args) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     rate = measure(model, optimizer, args.batch_size, args.warmup, args.steps, hvd.rank())
     rates = hvd.allgather(torch.tensor([rate], dtype=torch.float64)).tolist()
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(rates), flush=True)
+    hvd.shutdown()
+
+
+def build_keras_model():
+    """:func:`build_model`'s layers in Keras (channels last)."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10),
+    ])
+
+
+def tf_worker(args) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    import hpc_horovod.tensorflow as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = build_keras_model()
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    g = tf.random.Generator.from_seed(hvd.rank())
+    data = g.normal([args.batch_size, 32, 32, 3])
+    target = g.uniform([args.batch_size], maxval=10, dtype=tf.int64)
+
+    @tf.function
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(target, model(data, training=True))
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    train_step()  # builds the optimizer's slots, so that they can be broadcast
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    hvd.broadcast_variables(optimizer.variables, root_rank=0)
+    for _ in range(args.warmup):
+        train_step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        train_step()
+    rate = args.batch_size * args.steps / (time.perf_counter() - start)
+    rates = hvd.allgather(tf.constant([rate], dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
         print("RESULT " + json.dumps(rates), flush=True)
     hvd.shutdown()
@@ -130,14 +193,26 @@ def _result(stdout: str, what: str) -> list[float]:
     return json.loads(match.group(1))
 
 
-def run_hvd(args, n: int) -> list[float]:
-    cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
-           *_worker_args(args), "--worker", "hvd"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(),
-                          timeout=600)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return _result(proc.stdout, "hpc_horovod")
+def _launched(worker: str):
+    """A runner starting ``--worker worker`` on n ranks with ``hpc-horovod run``."""
+    def run(args, n: int) -> list[float]:
+        cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
+               *_worker_args(args), "--worker", worker]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+        return _result(proc.stdout, worker)
+    return run
+
+
+def _importable(module: str) -> str | None:
+    """None when ``module`` imports in a fresh interpreter, else why not (one line)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
 def run_ddp(args, n: int) -> list[float]:
@@ -165,24 +240,35 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=2, help="the scaled configuration")
-    parser.add_argument("--worker", choices=["hvd", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-tensorflow", action="store_true",
+                        help="skip hpc_horovod.tensorflow")
+    parser.add_argument("--worker", choices=["hvd", "tf", "ddp", "horovod"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker == "hvd":
-        return hvd_worker(args)
-    if args.worker == "ddp":
-        return ddp_worker(args)
+    workers = {"hvd": lambda: torch_worker(args, "hpc_horovod.torch"),
+               "horovod": lambda: torch_worker(args, "horovod.torch"),
+               "tf": lambda: tf_worker(args), "ddp": lambda: ddp_worker(args)}
+    if args.worker:
+        return workers[args.worker]()
 
-    runners = {
-        "hpc_horovod": run_hvd,
-        "torch DDP (gloo)": run_ddp,
-    }
+    runners = {"hpc_horovod.torch": _launched("hvd")}
+    if not args.no_tensorflow:
+        runners["hpc_horovod.tensorflow"] = _launched("tf")
+    runners["torch DDP (gloo)"] = run_ddp
+    skipped = {}
+    why = _importable("horovod.torch")
+    if why is None:
+        runners["horovod.torch"] = _launched("horovod")
+    else:
+        skipped["horovod.torch"] = why
+        print(f"horovod.torch skipped: {why}", file=sys.stderr)
     totals: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
             for n in (1, args.processes):
                 total = sum(runner(args, n))
                 totals.setdefault((name, n), []).append(total)
-                print(f"round {round_ + 1}/{args.rounds}: {name:17s} {n} process(es): "
+                print(f"round {round_ + 1}/{args.rounds}: {name:22s} {n} process(es): "
                       f"{total:8.1f} img/s", file=sys.stderr, flush=True)
 
     rows = []
@@ -195,21 +281,21 @@ def main(argv=None) -> None:
                          "median_img_per_sec_total": statistics.median(totals[(name, n)]),
                          "scaling_efficiency": best / (n * single),
                          "rounds_img_per_sec_total": totals[(name, n)]})
-    header = f"{'framework':18s} {'procs':>5s} {'img/s/proc':>11s} {'img/s total':>12s} " \
+    header = f"{'framework':22s} {'procs':>5s} {'img/s/proc':>11s} {'img/s total':>12s} " \
              f"{'(median)':>9s} {'efficiency':>10s}"
     print(f"model: small CNN, batch {args.batch_size}/process, 3x32x32 images, 1 thread per "
           f"process, {os.cpu_count()} cores")
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['framework']:18s} {row['processes']:5d} "
+        print(f"{row['framework']:22s} {row['processes']:5d} "
               f"{row['img_per_sec_per_process']:11.1f} {row['img_per_sec_total']:12.1f} "
               f"{row['median_img_per_sec_total']:9.1f} {row['scaling_efficiency']:10.1%}")
     OUT.mkdir(exist_ok=True)
     path = OUT / "training.json"
     path.write_text(json.dumps({"batch_size": args.batch_size, "steps": args.steps,
                                 "rounds": args.rounds, "cores": os.cpu_count(),
-                                "results": rows}, indent=2) + "\n")
+                                "skipped": skipped, "results": rows}, indent=2) + "\n")
     print(f"wrote {path}")
 
 

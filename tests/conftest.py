@@ -7,3 +7,30 @@ from support import run_mpi
 @pytest.fixture
 def mpirun():
     return run_mpi
+
+
+@pytest.fixture
+def wakes_of_idle_engine(monkeypatch):
+    """A size-1 job whose engine thread sleeps (its timer cycle every 30 s): the list of the
+    times something woke it, to check that synchronous ops leave it asleep."""
+    import os
+    import threading
+    import time
+
+    from hpc_horovod.common import basics
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_",
+                                                       "HOROVOD_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "30000")
+    basics.shutdown()
+    basics.init()
+    engine = basics.engine()
+    deadline = time.monotonic() + 10
+    while not engine._sleeping:
+        assert time.monotonic() < deadline, "the engine thread never fell asleep"
+        time.sleep(0.001)
+    wakes, wake = [], engine._wake
+    engine._wake = lambda: (wakes.append(threading.get_ident()), wake())
+    yield wakes
+    basics.shutdown()

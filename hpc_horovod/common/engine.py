@@ -13,7 +13,8 @@ this rank belongs to, in id order, runs one cycle:
 Cycles are collectives, so they run one at a time (``_cycle_lock``), but not always on the
 engine thread: a caller blocked in :meth:`Engine.wait` while the thread sleeps runs them itself,
 which saves the two thread switches of a hand-off. The thread is still what moves asynchronous
-work that nobody waits for yet, and what keeps idle peers company.
+work that nobody waits for yet, and what keeps idle peers company; synchronous ops do not even
+wake it (:meth:`Engine.synchronous`).
 
 A shutdown, a stall past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a
 peer that stops answering ends the engine on every rank with a message that names who and why;
@@ -141,6 +142,27 @@ class ProcessSetState:
         return plan
 
 
+class _Synchronous:
+    """:meth:`Engine.synchronous`: one per engine, its state kept per thread (nestable)."""
+
+    __slots__ = ("_engine", "_local")
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._local = engine._local
+
+    def __enter__(self) -> None:
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
+
+    def __exit__(self, *exc_info) -> None:
+        local = self._local
+        local.depth -= 1
+        engine = self._engine
+        if not local.depth and engine._sleeping and not engine._idle():
+            engine._wake()
+
+
 class Engine:
     def __init__(self, backend, settings: Settings, timeline=None):
         self.settings = settings
@@ -156,6 +178,8 @@ class Engine:
         self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._sleeping = False  # the engine waits on _cond: submitters must notify it
+        self._local = threading.local()  # .depth: this thread is inside synchronous ops
+        self._synchronous = _Synchronous(self)
         self._done = threading.Condition()
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
         # collectives and must run one at a time, in the same order on every rank.
@@ -226,13 +250,25 @@ class Engine:
         req.handle = handle = next(self._handle_counter)
         self._handles[handle] = req
         self._queue.append(req)
-        if self._sleeping:
-            with self._cond:
-                self._sleeping = False
-                self._cond.notify()
+        if self._sleeping and not getattr(self._local, "depth", 0):
+            self._wake()
         if self._stopped:  # stopped meanwhile: nobody else will complete it
             self._fail_leftovers()
         return handle
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._sleeping = False
+            self._cond.notify()
+
+    def synchronous(self) -> _Synchronous:
+        """Context of an op that waits for what it submits (``allreduce``, not
+        ``allreduce_async``): its submissions leave the engine thread asleep, since the caller
+        runs the cycles itself in :meth:`wait`. Waking the thread for nothing costs two thread
+        switches and a GIL hand-off: about 50 us per op with one core per rank, more than the
+        whole of a small allreduce otherwise. On leaving, work this rank still has (another
+        thread's, or what an error cut short) is handed to the thread."""
+        return self._synchronous
 
     def _forget(self, requests: list[Request]) -> None:
         for req in requests:

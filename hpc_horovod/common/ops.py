@@ -3,8 +3,9 @@ zero-copy array views of their tensors."""
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import cloudpickle
 import numpy as np
@@ -37,6 +38,19 @@ def _ps_id(process_set: ProcessSet) -> int:
 def _array(tensor, kind: str) -> np.ndarray:
     array = np.asarray(tensor)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def synchronous(op: Callable) -> Callable:
+    """Decorator of the ops that wait for what they submit (``allreduce``, not
+    ``allreduce_async``): inside them the engine thread is left asleep, the caller running
+    the cycles itself (see ``Engine.synchronous``)."""
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        if not basics.is_initialized():
+            return op(*args, **kwargs)  # which raises the op's own error
+        with basics.engine().synchronous():
+            return op(*args, **kwargs)
+    return run
 
 
 def submit(requests: list[Request]) -> list[int]:
@@ -74,6 +88,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         postscale_factor=postscale_factor, process_set=process_set))
 
 
+@synchronous
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set) -> np.ndarray:
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
@@ -91,6 +106,7 @@ def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, presc
         postscale_factor=postscale_factor, process_set=process_set, output=tensor))
 
 
+@synchronous
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set) -> np.ndarray:
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
@@ -112,6 +128,7 @@ def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
     return submit(reqs)
 
 
+@synchronous
 def grouped_allreduce(tensors: Sequence, average=None, name=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set) -> list[np.ndarray]:
     handles = grouped_allreduce_async(tensors, average, name, op, prescale_factor,
@@ -133,6 +150,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
                                         process_set=process_set))
 
 
+@synchronous
 def allgather(tensor, name=None, process_set=global_process_set) -> np.ndarray:
     return synchronize(allgather_async(tensor, name, process_set))
 
@@ -144,6 +162,7 @@ def grouped_allgather_async(tensors: Sequence, name=None,
                    for t, n in zip(tensors, names)])
 
 
+@synchronous
 def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_set):
     return [synchronize(h) for h in grouped_allgather_async(tensors, name, process_set)]
 
@@ -161,6 +180,7 @@ def broadcast_async(tensor, root_rank: int, name=None, process_set=global_proces
                                         process_set=process_set))
 
 
+@synchronous
 def broadcast(tensor, root_rank: int, name=None, process_set=global_process_set) -> np.ndarray:
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
@@ -176,6 +196,7 @@ def broadcast_async_(tensor: np.ndarray, root_rank: int, name=None,
                                         output=tensor))
 
 
+@synchronous
 def broadcast_(tensor, root_rank: int, name=None, process_set=global_process_set):
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
@@ -207,6 +228,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                                        process_set=process_set))
 
 
+@synchronous
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send ``splits[j]`` rows to rank j; returns ``(received, received_splits)``."""
     return synchronize(alltoall_async(tensor, splits, name, process_set))
@@ -236,6 +258,7 @@ def reducescatter_async(tensor, name=None, op=None, process_set=global_process_s
                                             postscale_factor=postscale_factor))
 
 
+@synchronous
 def reducescatter(tensor, name=None, op=None, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0) -> np.ndarray:
     """Reduce over ranks, then give rank i the i-th block of rows (first ranks one more row
@@ -255,18 +278,21 @@ def grouped_reducescatter_async(tensors: Sequence, name=None, op=None,
                    for t, n in zip(tensors, names)])
 
 
+@synchronous
 def grouped_reducescatter(tensors: Sequence, name=None, op=None, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0):
     return [synchronize(h) for h in grouped_reducescatter_async(
         tensors, name, op, process_set, prescale_factor, postscale_factor)]
 
 
+@synchronous
 def barrier(process_set=global_process_set) -> None:
     ps_id = _ps_id(process_set)
     synchronize(submit_one(Request(basics.next_name(ps_id, "barrier"), None,
                                    control_signature("barrier"), ps_id)))
 
 
+@synchronous
 def join(device: int = -1, process_set=global_process_set) -> int:
     """Wait until every rank has joined; meanwhile this rank contributes zeros to allreduces.
 

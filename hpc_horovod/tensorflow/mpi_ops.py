@@ -72,6 +72,7 @@ def _graph_name(prefix: str) -> str:
 def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType],
                 out_shapes: list, prefix: str, name: str | None):
     """Run ``run(host_arrays, name) -> host_arrays``: now (eager) or as one graph op."""
+    run = core.synchronous(run)  # it waits for what it submits
     if tf.executing_eagerly():
         device = inputs[0].device if inputs else ""
         results = run([staging.to_host(t) for t in inputs], name)

@@ -8,10 +8,11 @@ from collections.abc import Iterable
 import torch
 
 from ..common.basics import ProcessSet, global_process_set
-from ..common.ops import allgather_object, broadcast_object
+from ..common.ops import allgather_object, broadcast_object, synchronous
 from .mpi_ops import broadcast_async_, synchronize
 
 
+@synchronous
 def broadcast_parameters(params, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite tensors in place with ``root_rank``'s values.

@@ -15,6 +15,7 @@ import torch
 
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
+from ..common.ops import synchronous
 from ..common.types import Average, Sum
 from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
@@ -111,6 +112,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
+@synchronous
 def allreduce_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -122,6 +124,7 @@ class HorovodAllreduce(torch.autograd.Function):
     """Allreduce whose gradient is the same allreduce of the incoming gradient."""
 
     @staticmethod
+    @synchronous
     def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
         return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
@@ -180,6 +183,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
         write_back(r, t, v) for r, t, v in zip(results, tensors, views)])
 
 
+@synchronous
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: str | None = None,
                        op=None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
@@ -189,6 +193,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name: str 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
+    @synchronous
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set,
                 *tensors):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
@@ -265,6 +270,7 @@ class HorovodAllgather(torch.autograd.Function):
     """Allgather whose gradient is the averaged gradient, sliced to this rank's rows."""
 
     @staticmethod
+    @synchronous
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
@@ -297,6 +303,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
+    @synchronous
     def forward(ctx, name, process_set, *tensors):
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.scalars = [t.dim() == 0 for t in tensors]
@@ -341,6 +348,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
+@synchronous
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -350,6 +358,7 @@ class HorovodBroadcast(torch.autograd.Function):
     """Broadcast whose gradient is the averaged gradient on the root and zero elsewhere."""
 
     @staticmethod
+    @synchronous
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
@@ -391,6 +400,7 @@ class HorovodAlltoall(torch.autograd.Function):
     """Alltoall whose gradient is the alltoall sending the gradient's rows back."""
 
     @staticmethod
+    @synchronous
     def forward(ctx, tensor, splits, name, process_set):
         output, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received_splits = received_splits
@@ -441,6 +451,7 @@ class HorovodReducescatter(torch.autograd.Function):
     """Reducescatter whose gradient is the allgather of the incoming gradient (scaled)."""
 
     @staticmethod
+    @synchronous
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
@@ -477,6 +488,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
+    @synchronous
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(grouped_reducescatter_async(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..common.basics import size
+from ..common.ops import synchronous
 from ..common.types import Sum
 from .mpi_ops import allgather_async, allreduce_async, synchronize
 
@@ -61,6 +62,7 @@ def _reduce_dims(x: torch.Tensor) -> list[int]:
 
 class _SyncBatchNorm(torch.autograd.Function):
     @staticmethod
+    @synchronous
     def forward(ctx, input, weight, bias, running_mean, running_var, eps, momentum):
         x = input.contiguous()
         compute = torch.promote_types(x.dtype, torch.float32)
@@ -103,6 +105,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return out.to(input.dtype)
 
     @staticmethod
+    @synchronous
     def backward(ctx, grad_output):
         xc, weight, mean, invstd = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]

@@ -174,3 +174,14 @@ def test_alias_modules_are_the_keras_binding():
     assert hvd_keras_alias.callbacks.BroadcastGlobalVariablesCallback is \
         hvd_keras.callbacks.BroadcastGlobalVariablesCallback
     assert hvd.keras is hvd_keras
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_collectives_run_their_own_cycles(wakes_of_idle_engine, graph):
+    """A TensorFlow collective waits for what it submits, so it leaves the engine thread
+    asleep, in eager mode and inside a graph."""
+    def step():
+        return hvd.allreduce(tf.ones(2)), hvd.broadcast(tf.ones(2), 0), hvd.allgather(tf.ones(2))
+
+    (tf.function(step) if graph else step)()
+    assert wakes_of_idle_engine == []

@@ -235,3 +235,29 @@ def test_cuda_tensors_are_staged_through_the_host(single):
     assert hvd.allreduce(t).device == t.device
     assert hvd.allreduce_(t, op=hvd.Sum) is t and t.device.type == "cuda"
     assert hvd.allgather(t).device == t.device
+
+
+SYNCHRONOUS = {
+    "allreduce": lambda: hvd.allreduce(torch.ones(2)),
+    "allreduce_": lambda: hvd.allreduce_(torch.ones(2)),
+    "grouped_allreduce": lambda: hvd.grouped_allreduce([torch.ones(2), torch.ones(3)]),
+    "grouped_allreduce_": lambda: hvd.grouped_allreduce_([torch.ones(2)]),
+    "allgather": lambda: hvd.allgather(torch.ones(2)),
+    "grouped_allgather": lambda: hvd.grouped_allgather([torch.ones(2)]),
+    "broadcast": lambda: hvd.broadcast(torch.ones(2), 0),
+    "broadcast_": lambda: hvd.broadcast_(torch.ones(2), 0),
+    "alltoall": lambda: hvd.alltoall(torch.ones(2)),
+    "reducescatter": lambda: hvd.reducescatter(torch.ones(2)),
+    "grouped_reducescatter": lambda: hvd.grouped_reducescatter([torch.ones(2)]),
+    "broadcast_parameters": lambda: hvd.broadcast_parameters({"w": torch.ones(2)}, 0),
+    "barrier": hvd.barrier,
+}
+
+
+@pytest.mark.parametrize("call", SYNCHRONOUS.values(), ids=SYNCHRONOUS.keys())
+def test_synchronous_ops_run_their_own_cycles(wakes_of_idle_engine, call):
+    """They wait for what they submit, so they leave the engine thread asleep."""
+    call()
+    assert wakes_of_idle_engine == []
+    hvd.allreduce_async(torch.ones(2))  # the control: an asynchronous op wakes it
+    assert len(wakes_of_idle_engine) == 1

@@ -6,6 +6,7 @@ is one a waiter ran; a failure inside such a cycle must end the engine as one in
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,3 +79,69 @@ def test_a_failure_in_a_waiters_cycle_stops_the_engine(exc):
     assert engine.error is not None and engine._stopped
     with pytest.raises(HorovodInternalError):
         engine.submit(allreduce("b", np.ones(2)))
+
+
+# -- synchronous ops and the engine thread -----------------------------------------------------
+
+@pytest.fixture
+def slow_engine():
+    """A started engine whose thread, once asleep, runs a timer cycle only every 30 s: whatever
+    completes sooner was completed by a waiter or by a thread that was woken for it."""
+    engine = Engine(SingleBackend(), Settings(cycle_time_ms=30_000))
+    wakes = []
+    wake = engine._wake
+    engine._wake = lambda: (wakes.append(threading.get_ident()), wake())
+    engine.start()
+    _wait_for(lambda: engine._sleeping, "the engine thread to fall asleep")
+    yield engine, wakes
+    engine.shutdown()
+
+
+def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_a_synchronous_op_leaves_the_engine_thread_asleep(slow_engine):
+    engine, wakes = slow_engine
+    x = np.arange(5.0)
+    with engine.synchronous():
+        handle = engine.submit(allreduce("sync", x))
+        assert engine._sleeping and not wakes
+        np.testing.assert_array_equal(engine.wait(handle).result, x)
+    assert not wakes  # nothing was left for the thread
+    engine.submit(allreduce("async", x))  # an asynchronous op wakes it at once
+    assert wakes == [threading.get_ident()]
+
+
+def test_work_a_synchronous_op_leaves_behind_goes_to_the_engine_thread(slow_engine):
+    engine, wakes = slow_engine
+    with engine.synchronous():
+        with engine.synchronous():  # nested: only the outermost exit hands over
+            handle = engine.submit(allreduce("left", np.ones(3)))
+        assert not wakes
+    assert wakes
+    _wait_for(lambda: engine.poll(handle), "the engine thread to complete the request")
+
+
+def test_another_threads_submission_still_wakes_the_engine_thread(slow_engine):
+    engine, wakes = slow_engine
+    inside, leave = threading.Event(), threading.Event()
+
+    def synchronous_caller() -> None:
+        with engine.synchronous():
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=synchronous_caller)
+    thread.start()
+    try:
+        inside.wait(10)
+        handle = engine.submit(allreduce("other", np.ones(3)))
+        _wait_for(lambda: engine.poll(handle), "the engine thread to complete the request")
+        assert wakes == [threading.get_ident()]
+    finally:
+        leave.set()
+        thread.join(10)

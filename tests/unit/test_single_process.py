@@ -80,6 +80,33 @@ def test_calls_before_init_raise_horovods_error(call):
         == NOT_INITIALIZED
 
 
+SYNCHRONOUS = {
+    "allreduce": lambda: hvd.allreduce(np.ones(2)),
+    "allreduce_": lambda: hvd.allreduce_(np.ones(2)),
+    "grouped_allreduce": lambda: hvd.grouped_allreduce([np.ones(2), np.ones(3)]),
+    "allgather": lambda: hvd.allgather(np.ones(2)),
+    "grouped_allgather": lambda: hvd.grouped_allgather([np.ones(2)]),
+    "broadcast": lambda: hvd.broadcast(np.ones(2), 0),
+    "broadcast_": lambda: hvd.broadcast_(np.ones(2), 0),
+    "alltoall": lambda: hvd.alltoall(np.ones(2)),
+    "reducescatter": lambda: hvd.reducescatter(np.ones(2)),
+    "grouped_reducescatter": lambda: hvd.grouped_reducescatter([np.ones(2)]),
+    "barrier": hvd.barrier,
+    "join": hvd.join,
+    "broadcast_object": lambda: hvd.broadcast_object({"a": 1}),
+    "allgather_object": lambda: hvd.allgather_object(1),
+}
+
+
+@pytest.mark.parametrize("call", SYNCHRONOUS.values(), ids=SYNCHRONOUS.keys())
+def test_synchronous_ops_run_their_own_cycles(wakes_of_idle_engine, call):
+    """They wait for what they submit, so they leave the engine thread asleep."""
+    call()
+    assert wakes_of_idle_engine == []
+    hvd.allreduce_async(np.ones(2))  # the control: an asynchronous op wakes it
+    assert len(wakes_of_idle_engine) == 1
+
+
 def test_build_queries_need_no_init():
     hvd.shutdown()
     assert isinstance(hvd.mpi_built(), bool)

@@ -66,8 +66,23 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
         if not host.is_contiguous():
             host = host.contiguous()
     if host.dtype == torch.bfloat16:
-        return host.view(torch.int16).numpy().view(bfloat16)
+        return np.asarray(_Bfloat16Bits(host)).view(bfloat16)
     return host.numpy()
+
+
+class _Bfloat16Bits:
+    """A contiguous bfloat16 tensor's memory as numpy int16, for ``np.asarray`` (the array
+    keeps this object, hence the tensor, alive). ``tensor.view(torch.int16).numpy()`` would do
+    the same but lets go of the GIL, which let the engine thread in between two submissions of
+    one step, with a cycle for each part of the batch (11-15 cycles for 200 tensors in one
+    process, instead of one)."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.__array_interface__ = {"data": (tensor.data_ptr(), False), "typestr": "<i2",
+                                    "shape": tuple(tensor.shape), "version": 3}
 
 
 def to_torch(array: np.ndarray, device: torch.device | None = None) -> torch.Tensor:

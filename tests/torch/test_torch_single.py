@@ -261,3 +261,38 @@ def test_synchronous_ops_run_their_own_cycles(wakes_of_idle_engine, call):
     assert wakes_of_idle_engine == []
     hvd.allreduce_async(torch.ones(2))  # the control: an asynchronous op wakes it
     assert len(wakes_of_idle_engine) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_engine_views_never_let_go_of_the_gil(dtype):
+    """A submission that releases the GIL lets the engine thread run a cycle in the middle of a
+    batch of gradients (bfloat16's did, through ``tensor.view(torch.int16)``)."""
+    import sys
+    import threading
+    import time
+
+    tensors = [torch.ones(64, dtype=dtype) for _ in range(100)]
+    engine_array(tensors[0], "allreduce")  # first calls may initialize things, GIL released
+    turns, stop = [0], threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # no forced switch within the loop below
+    thread = threading.Thread(target=other_thread)
+    try:
+        thread.start()
+        time.sleep(0.001)  # the control: a call that lets go of the GIL lets the thread run
+        before = turns[0]
+        assert before > 0
+        views = [engine_array(t, "allreduce") for t in tensors]
+        assert turns[0] == before
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    expected = bfloat16 if dtype == torch.bfloat16 else np.dtype(str(dtype).split(".")[1])
+    assert all(v.dtype == expected and v.ctypes.data == t.data_ptr()
+               for v, t in zip(views, tensors))

@@ -10,9 +10,10 @@ def mpirun():
 
 
 @pytest.fixture
-def wakes_of_idle_engine(monkeypatch):
-    """A size-1 job whose engine thread sleeps (its timer cycle every 30 s): the list of the
-    times something woke it, to check that synchronous ops leave it asleep."""
+def leaves_engine_asleep(monkeypatch):
+    """In a size-1 job whose engine thread sleeps (its timer cycle every 30 s), a check that
+    ``call()`` completes without waking the thread, while ``control()`` (an asynchronous op)
+    wakes it: ``leaves_engine_asleep(call, control)``."""
     import os
     import threading
     import time
@@ -32,5 +33,12 @@ def wakes_of_idle_engine(monkeypatch):
         time.sleep(0.001)
     wakes, wake = [], engine._wake
     engine._wake = lambda: (wakes.append(threading.get_ident()), wake())
-    yield wakes
+
+    def check(call, control) -> None:
+        call()
+        assert wakes == [], "a synchronous op woke the engine thread"
+        control()
+        assert len(wakes) == 1, "the control did not wake the engine thread"
+
+    yield check
     basics.shutdown()

@@ -2,9 +2,11 @@
 
 The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`).
 
-When every rank of the communicator is on one node, allreduces go through a shared-memory window
-instead (:mod:`.shm`): the engine packs fused groups straight into it (:meth:`MpiBackend.staging`)
-and reads results straight out of it, which saves the two copies MPI would add.
+When every rank of the communicator is on one node, fused float sums are reduced through the
+ranks' own memory (:mod:`.peer`, :meth:`MpiBackend.peer_reducer`), and other fused groups go
+through a shared-memory window (:mod:`.shm`): the engine packs them straight into it
+(:meth:`MpiBackend.staging`) and reads results straight out of it. Both save the copies MPI
+would add.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+from .peer import DTYPES as PEER_DTYPES
+from .peer import PeerAllreduce
 from .shm import NodeAllreduce, capacity_for
 from .waiting import RequestWaiter
 
@@ -70,6 +74,8 @@ class MpiBackend:
         #: bytes of the largest fused group the shared window takes; None: no window
         self.fusion_capacity: int | None = None
         self._node: NodeAllreduce | None = None  # created on first use (collective)
+        self._peer: PeerAllreduce | None = None  # likewise
+        self._peer_refused = False
         self.shared_memory = shared_memory
         if shared_memory and self.size > 1:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -113,6 +119,25 @@ class MpiBackend:
         if self._node is None:  # every rank gets here at the same agreed allreduce
             self._node = NodeAllreduce(self.comm, self.fusion_capacity, self._waiter)
         return self._node.stage(count, dtype)
+
+    def reduces_through_peers(self, dtype: np.dtype) -> bool:
+        """Whether fused sums of ``dtype`` go through the other ranks' memory
+        (:meth:`reduce_through_peers`). The answer is the same on every rank: False with ranks
+        on several nodes, shared memory off, a dtype the native kernel does not sum, or
+        cross-memory attach refused. Collective the first time it can be True."""
+        if self.fusion_capacity is None or dtype.name not in PEER_DTYPES or self._peer_refused:
+            return False
+        if self._peer is None:  # every rank gets here at the same agreed allreduce
+            self._peer = PeerAllreduce.open(self.comm, self._waiter)
+            self._peer_refused = self._peer is None
+        return self._peer is not None
+
+    def reduce_through_peers(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
+                             dtype: np.dtype, factor: float) -> None:
+        """``outputs[i] = factor x sum of every rank's inputs[i]``, once
+        :meth:`reduces_through_peers` said yes for ``dtype``. Waits for peers as long as a
+        negotiation would."""
+        self._peer.allreduce(inputs, outputs, dtype, factor, self._timeout_s)
 
     def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
         """Reduce what every rank packed into :meth:`staging`'s buffer; returns the shared,
@@ -183,13 +208,14 @@ class MpiBackend:
         cycle where every rank agrees to stop, or when a process set is removed: freeing
         waits for every rank, so it is never done where a peer may not come (see ``free``)."""
         node, self._node, self.fusion_capacity = self._node, None, None
+        self._peer = None
         if node is not None:
             node.free()
 
     def free(self) -> None:
         """Release the communicator. Local: a shared window not released by then (the job
         failed) is left to the end of the process."""
-        self._node = None
+        self._node = self._peer = None
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
             self.comm.Free()
 

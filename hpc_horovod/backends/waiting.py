@@ -23,6 +23,11 @@ def _tight_sleeps() -> None:
         pass
 
 
+#: Requests given up on. A peer that comes late still completes them, and MPI then writes into
+#: their receive buffers: mpi4py's request holds those buffers, so it must never be freed.
+_abandoned: list = []
+
+
 class RequestWaiter:
     """Waits for the requests of one communicator of ``size`` ranks."""
 
@@ -45,6 +50,7 @@ class RequestWaiter:
             if now < spin_until:
                 continue
             if timeout_s and now - start > timeout_s:
+                _abandoned.append(req)
                 raise HorovodInternalError(
                     f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s "
                     f"({what}): a peer process died or is blocked outside Python (raise "

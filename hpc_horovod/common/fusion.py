@@ -133,6 +133,11 @@ class FusedAllreduce:
         if len(reqs) == 1 and wire == dtype:
             _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
             return
+        if (op == Sum and post == 1.0 and self.total * dtype.itemsize >= PEER_MIN_BYTES
+                and hasattr(backend, "reduces_through_peers")
+                and backend.reduces_through_peers(dtype)):
+            self._reduce_through_peers(backend, reqs, dtype, pre)
+            return
         if None in reqs:
             parts = [req.tensor if req is not None else np.zeros(n, dtype)
                      for req, n in zip(reqs, self.sizes)]
@@ -169,6 +174,25 @@ class FusedAllreduce:
             for req, (a, b), shape in zip(reqs, self.bounds, self.shapes):
                 if req is not None:
                     req.result = buf[a:b].reshape(shape)
+
+    def _reduce_through_peers(self, backend, reqs, dtype: np.dtype, factor: float) -> None:
+        """Sum straight from every rank's tensors into every rank's outputs; results of
+        out-of-place requests are views of one fresh buffer."""
+        inputs, outputs, fresh = [], [], None
+        for req, n, (a, b) in zip(reqs, self.sizes, self.bounds):
+            if req is not None and req.output is not None:
+                inputs.append(req.tensor)
+                outputs.append(req.output)
+                continue
+            if fresh is None:
+                fresh = pool.empty((self.total,), dtype)
+            # a joined rank's share is zeros, its result dropped
+            inputs.append(req.tensor if req is not None else np.zeros(n, dtype))
+            outputs.append(fresh[a:b])
+        backend.reduce_through_peers(inputs, outputs, dtype, factor)
+        for req, out, shape in zip(reqs, outputs, self.shapes):
+            if req is not None:
+                req.result = out if req.output is not None or self.flat else out.reshape(shape)
 
     def _unpack(self, reqs, reduced: np.ndarray, dtype, post: float) -> None:
         """Copy each request's part of ``reduced``, scaled by ``post``, into its output (a new
@@ -229,6 +253,11 @@ def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.
     _scale_inplace(out, post)
     req.result = out
 
+
+#: Fused groups this large are summed through the other ranks' memory where the backend can
+#: (``backends/peer.py``); below it the table exchange and the barrier cost more than the
+#: copies they save.
+PEER_MIN_BYTES = 64 * 1024
 
 #: Tensors this large are reduced on their own: in place that skips both fusion buffer copies
 #: (for a 4 MiB gradient about as long as the reduction itself), for the price of one more

@@ -198,7 +198,15 @@ def check_inside_hpc_horovod() -> None:
             hvd.synchronize(h)
         for i, g in enumerate(grads):
             assert np.allclose(g, i + (SIZE - 1) / 2), f"in-place average {i}"
-        # out of place, the group went through MPI; in place, through the window
+        # float sums of this size go through the peers' memory (peer_allreduce_worker.py)
+        assert (backend._peer is not None) == bool(backend.fusion_capacity), "peers unused"
+        counts = [np.full(1000 + i, RANK + i, np.int32) for i in range(50)]
+        handles = [hvd.allreduce_async_(c, name=f"c{i}", op=hvd.Sum) for i, c in enumerate(counts)]
+        for h in handles:
+            hvd.synchronize(h)
+        for i, c in enumerate(counts):
+            assert np.all(c == SIZE * i + SIZE * (SIZE - 1) // 2), f"in-place int sum {i}"
+        # other in-place groups, through the window
         assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
         big = np.full(3 << 20, RANK + 1.0)  # alone, in place, through the window in chunks
         hvd.allreduce_(big, op=hvd.Sum)

@@ -269,18 +269,22 @@ class Contenders:
                     hvd.synchronize(h)
             return run
 
-        def through_mpi(run):
-            # the same op with the node's shared window off, as HOROVOD_SHM_DISABLE=1 gives
-            # (out-of-place groups never use it)
-            backend = basics._require().engine.backend
+        backend = basics._require().engine.backend
 
-            def run_without_window():
-                saved, backend.fusion_capacity = backend.fusion_capacity, None
+        def without(run, **attributes):
+            # the same op with parts of the node's shared memory off: fusion_capacity=None is
+            # what HOROVOD_SHM_DISABLE=1 gives (MPI only); reduces_through_peers=False leaves
+            # the shared window without the sums through the peers' memory
+            def run_without():
+                saved = {name: getattr(backend, name) for name in attributes}
+                for name, value in attributes.items():
+                    setattr(backend, name, value)
                 try:
                     run()
                 finally:
-                    backend.fusion_capacity = saved
-            return run_without_window
+                    for name, value in saved.items():
+                        setattr(backend, name, value)
+            return run_without
 
         cases = {
             "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name="np" + n)),
@@ -288,9 +292,13 @@ class Contenders:
             "hvd numpy in-place": (
                 ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
         }
-        if getattr(basics._require().engine.backend, "fusion_capacity", None):
-            cases["hvd numpy in-place, no shared window"] = (
-                through_mpi(cases["hvd numpy in-place"][0]), refill)
+        in_place = cases["hvd numpy in-place"][0]
+        if getattr(backend, "reduces_through_peers", None) is not None:
+            cases["hvd numpy in-place, shared window only"] = (
+                without(in_place, reduces_through_peers=lambda dtype: False), refill)
+        if getattr(backend, "fusion_capacity", None):
+            cases["hvd numpy in-place, no shared memory"] = (
+                without(in_place, fusion_capacity=None), refill)
         if self.hvd_torch is not None:
             ts = [self._tensor(x) for x in xs]
 
@@ -386,12 +394,15 @@ def half_paths(timer: Timer, comm: MPI.Comm, nbytes: int) -> list:
             refill)
 
     def widened():
-        # the package without src_native: fusion.wire_dtype sees no _native and widens
-        saved, fusion._native = fusion._native, None
+        # the package without src_native: fusion.wire_dtype sees no _native and widens, and
+        # no group is summed through the peers' memory (that kernel is native too)
+        backend = basics._require().engine.backend
+        saved = fusion._native, backend.reduces_through_peers
+        fusion._native, backend.reduces_through_peers = None, lambda dtype: False
         try:
             return hvd.allreduce(x, op=hvd.Sum, name="half.widened")
         finally:
-            fusion._native = saved
+            fusion._native, backend.reduces_through_peers = saved
 
     cases["hvd.allreduce, widened to float32 (no _native)"] = (widened, None)
 

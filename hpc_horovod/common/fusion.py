@@ -130,13 +130,14 @@ class FusedAllreduce:
         if sig.device:
             _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
             return
-        if len(reqs) == 1 and wire == dtype:
-            _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
-            return
-        if (op == Sum and post == 1.0 and self.total * dtype.itemsize >= PEER_MIN_BYTES
+        if (op == Sum and post == 1.0
+                and peers_pay(self.total * dtype.itemsize, len(reqs), writes_back)
                 and hasattr(backend, "reduces_through_peers")
                 and backend.reduces_through_peers(dtype)):
             self._reduce_through_peers(backend, reqs, dtype, pre)
+            return
+        if len(reqs) == 1 and wire == dtype:
+            _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
             return
         if None in reqs:
             parts = [req.tensor if req is not None else np.zeros(n, dtype)
@@ -254,15 +255,29 @@ def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.
     req.result = out
 
 
-#: Fused groups this large are summed through the other ranks' memory where the backend can
-#: (``backends/peer.py``); below it the table exchange and the barrier cost more than the
-#: copies they save.
-PEER_MIN_BYTES = 64 * 1024
-
 #: Tensors this large are reduced on their own: in place that skips both fusion buffer copies
 #: (for a 4 MiB gradient about as long as the reduction itself), for the price of one more
 #: backend call, negligible at this size.
 SOLO_BYTES = 1 << 20
+
+#: Fused groups this large are summed through the other ranks' memory where the backend can
+#: (``backends/peer.py``); below it the table exchange and the barrier cost more than the
+#: copies they save.
+PEER_MIN_BYTES = 64 * 1024
+#: A tensor alone in its group goes through the peers' memory from this size when every rank
+#: reduces in place (smaller, MPI's in-place allreduce is as fast: 2 ranks, 1-8 MiB), and from
+#: ``SOLO_BYTES`` otherwise (MPI would need a copy into the result first). Above 16 MiB Open
+#: MPI 4.1's shared-memory allreduce slows down to 2 GB/s, 3-4x slower than the peers' memory.
+PEER_IN_PLACE_BYTES = 8 << 20
+
+
+def peers_pay(nbytes: int, count: int, writes_back: bool) -> bool:
+    """Whether a group of ``count`` tensors and ``nbytes`` is faster through the peers' memory
+    than through MPI or the shared window. It rests on what every rank agreed (``writes_back``:
+    every rank reduces into outputs), so every rank takes the same path."""
+    if count > 1:
+        return nbytes >= PEER_MIN_BYTES
+    return nbytes >= (PEER_IN_PLACE_BYTES if writes_back else SOLO_BYTES)
 
 
 def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int,

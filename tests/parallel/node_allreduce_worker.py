@@ -208,7 +208,7 @@ def check_inside_hpc_horovod() -> None:
             assert np.all(c == SIZE * i + SIZE * (SIZE - 1) // 2), f"in-place int sum {i}"
         # other in-place groups, through the window
         assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
-        big = np.full(3 << 20, RANK + 1.0)  # alone, in place, through the window in chunks
+        big = np.full(3 << 20, RANK + 1.0)  # alone, in place: through the peers' memory
         hvd.allreduce_(big, op=hvd.Sum)
         assert np.all(big == SIZE * (SIZE + 1) / 2)
         hvd.shutdown()

@@ -112,6 +112,20 @@ def check_inside_hpc_horovod() -> None:
     for t, h in zip(shaped, handles):
         got = hvd.synchronize(h)
         assert got.shape == t.shape and np.all(got == SIZE * (SIZE + 1) / 4), "scaled"
+    # tensors alone in their group: 24 MiB in place, 2.4 MB out of place (fusion.peers_pay);
+    # 4 MiB in place stays in MPI
+    counts, real = [], backend().reduce_through_peers
+    backend().reduce_through_peers = lambda inputs, *args: (counts.append(len(inputs)),
+                                                            real(inputs, *args))
+    big = np.full(3 << 20, RANK + 1.0)
+    assert hvd.allreduce_(big, op=hvd.Sum) is big and np.all(big == SIZE * (SIZE + 1) / 2)
+    got = hvd.allreduce(np.full((600, 500), RANK + 1.0), op=hvd.Average)
+    assert got.shape == (600, 500) and np.all(got == (SIZE + 1) / 2), "solo out of place"
+    middle = np.full(1 << 20, RANK + 1.0, np.float32)
+    hvd.allreduce_(middle, op=hvd.Sum)
+    assert np.all(middle == SIZE * (SIZE + 1) / 2), "solo in place through MPI"
+    assert counts == [1, 1], f"tensors alone through the peers: {counts}"
+    del backend().reduce_through_peers
     assert backend()._node is None, "float sums never need the shared window"
     # mixed across ranks: in place on some, out of place on others
     for step in range(3):

@@ -63,3 +63,17 @@ def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
     sigs = [signature_of("allreduce", a, Sum) for a in (small, large, small, large)]
     plan = Plan(["a", "b", "c", "d"], sigs, threshold=64 << 20)
     assert [plan.order[start:stop] for _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]
+
+
+def test_groups_go_through_the_peers_memory_where_it_pays():
+    """fusion.peers_pay: fused groups from 64 KiB; a tensor alone from 8 MiB when every rank
+    reduces in place (MPI's in-place call is as fast below), from SOLO_BYTES otherwise."""
+    from hpc_horovod.common.fusion import PEER_IN_PLACE_BYTES, PEER_MIN_BYTES, peers_pay
+
+    assert not peers_pay(PEER_MIN_BYTES - 4, 200, writes_back=True)
+    assert peers_pay(PEER_MIN_BYTES, 2, writes_back=True)
+    assert peers_pay(PEER_MIN_BYTES, 2, writes_back=False)
+    assert not peers_pay(SOLO_BYTES - 4, 1, writes_back=False)
+    assert peers_pay(SOLO_BYTES, 1, writes_back=False)
+    assert not peers_pay(PEER_IN_PLACE_BYTES - 4, 1, writes_back=True)
+    assert peers_pay(PEER_IN_PLACE_BYTES, 1, writes_back=True)

@@ -74,6 +74,18 @@ static void sum_two_f64(const double *a, const double *b, double *out, size_t m,
             out[k] = (a[k] + b[k]) * factor;
 }
 
+/* The float32 values of `m` elements of `kind` at `src`, in `wide` unless they already are
+ * float32. */
+static const float *as_f32(hh_kind kind, const char *src, float *wide, size_t m) {
+    if (kind == HH_F32)
+        return (const float *)src;
+    if (kind == HH_F16)
+        hh_active->f16_to_f32((const uint16_t *)src, wide, m);
+    else
+        hh_active->bf16_to_f32((const uint16_t *)src, wide, m);
+    return wide;
+}
+
 /* out = factor * (srcs[0] + srcs[1] + ... + srcs[n-1]), `m` elements, summed in rank order in
  * float32 (float64 for float64) and rounded once; `out` may be one of the sources. */
 static void reduce_run(hh_kind kind, int n, const char *const *srcs, char *out, size_t m,
@@ -86,6 +98,15 @@ static void reduce_run(hh_kind kind, int n, const char *const *srcs, char *out, 
     }
     if (n == 2 && kind == HH_F64) {
         sum_two_f64((const double *)srcs[0], (const double *)srcs[1], (double *)out, m, factor);
+        return;
+    }
+    if (n == 2 && factor == 1.0 && (kind == HH_F16 || kind == HH_BF16)) {
+        /* one rounding of the float32 sum: what the MPI operation's kernels do */
+        const uint16_t *a = (const uint16_t *)srcs[0], *b = (const uint16_t *)srcs[1];
+        if (kind == HH_F16)
+            hh_active->sum_f16(a, b, (uint16_t *)out, m);
+        else
+            hh_active->sum_bf16(a, b, (uint16_t *)out, m);
         return;
     }
     for (size_t k0 = 0; k0 < m; k0 += BLOCK) {
@@ -102,21 +123,13 @@ static void reduce_run(hh_kind kind, int n, const char *const *srcs, char *out, 
             continue;
         }
         float acc[BLOCK], wide[BLOCK];
-        for (int q = 0; q < n; q++) {
-            const char *src = srcs[q] + k0 * item;
-            const float *s = (const float *)src;
-            if (kind == HH_F16) {
-                hh_active->f16_to_f32((const uint16_t *)src, wide, b);
-                s = wide;
-            } else if (kind == HH_BF16) {
-                hh_active->bf16_to_f32((const uint16_t *)src, wide, b);
-                s = wide;
-            }
-            if (q == 0)
-                memcpy(acc, s, b * sizeof(float));
-            else
-                for (size_t k = 0; k < b; k++)
-                    acc[k] += s[k];
+        const float *first = as_f32(kind, srcs[0] + k0 * item, acc, b);
+        if (first != acc)
+            memcpy(acc, first, b * sizeof(float));
+        for (int q = 1; q < n; q++) {
+            const float *s = as_f32(kind, srcs[q] + k0 * item, wide, b);
+            for (size_t k = 0; k < b; k++)
+                acc[k] += s[k];
         }
         hh_convert(HH_F32, acc, kind, out + k0 * item, b, 4, factor);
     }

@@ -357,6 +357,13 @@ class NcclBackend:
     def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
         return self.mpi.reduce_staged(staged, op)
 
+    def reduces_through_peers(self, dtype: np.dtype) -> bool:
+        return self.mpi.reduces_through_peers(dtype)
+
+    def reduce_through_peers(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
+                             dtype: np.dtype, factor: float) -> None:
+        self.mpi.reduce_through_peers(inputs, outputs, dtype, factor)
+
     def release_shared_memory(self) -> None:
         self.mpi.release_shared_memory()
 

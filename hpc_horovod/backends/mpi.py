@@ -2,8 +2,8 @@
 
 The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`).
 
-When every rank of the communicator is on one node, fused float sums are reduced through the
-ranks' own memory (:mod:`.peer`, :meth:`MpiBackend.peer_reducer`), and other fused groups go
+When every rank of the communicator is on one node, float sums are reduced through the ranks'
+own memory (:mod:`.peer`, :meth:`MpiBackend.reduce_through_peers`), and other fused groups go
 through a shared-memory window (:mod:`.shm`): the engine packs them straight into it
 (:meth:`MpiBackend.staging`) and reads results straight out of it. Both save the copies MPI
 would add.

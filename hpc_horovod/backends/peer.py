@@ -45,9 +45,10 @@ def _probe(comm: MPI.Comm) -> tuple[list[int], bool]:
     rank, size = comm.Get_rank(), comm.Get_size()
     token = np.array([secrets.randbits(62), rank], dtype=np.int64)
     inbox = np.zeros(size, dtype=np.int64)
-    usable = True
+    usable = _native is not None  # a rank without it still takes part, and says no
     try:
-        _native.peer_allow()
+        if usable:
+            _native.peer_allow()
     except OSError:
         usable = False
     peers = comm.allgather((os.getpid(), token.ctypes.data, inbox.ctypes.data, token.tobytes()))
@@ -80,9 +81,7 @@ class PeerAllreduce:
     @classmethod
     def open(cls, comm: MPI.Comm, waiter: RequestWaiter) -> PeerAllreduce | None:
         """Collective: the reducer, or None on every rank when some pair of ranks cannot
-        reach each other's memory (or the native extension is not built)."""
-        if _native is None:
-            return None
+        reach each other's memory (or some rank lacks the native extension)."""
         pids, usable = _probe(comm)
         return cls(comm, pids, waiter) if usable else None
 

@@ -3,11 +3,15 @@
 Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
 pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
-unpacking them copies nothing; in-place requests are written back. When every rank is on one
-node and every rank's requests of the cycle are in place (a training step's gradients), groups
-are packed into and read back from a shared window instead (``backends/shm.py``), which spares
-MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
-extension provides MPI operations for them.
+unpacking them copies nothing; in-place requests are written back.
+
+When every rank is on one node, float sums skip the fusion buffer altogether: every rank sums
+its share straight from the peers' tensors into theirs (``backends/peer.py``; fused groups from
+``PEER_MIN_BYTES``, a tensor alone from ``PEER_IN_PLACE_BYTES`` or ``SOLO_BYTES``, see
+:func:`peers_pay`). Other groups whose every rank's requests of the cycle are in place are packed
+into and read back from a shared window (``backends/shm.py``), which spares MPI's copies in and
+out. float16/bfloat16 are reduced in float32 unless the native extension provides MPI
+operations for them.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ def _scale_inplace(buf: np.ndarray, factor: float) -> None:
 
 class FusedAllreduce:
     """Allreduce of a group of agreed tensors (same dtype, op and scale factors) through one
-    fusion buffer and one backend call.
+    fusion buffer and one backend call, or through the peers' memory where that pays.
 
     The per-tensor layout (shapes and offsets in the buffer) is computed once, when the engine
     first plans this set of tensors; a training step that submits the same gradients again

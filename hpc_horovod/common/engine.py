@@ -11,10 +11,10 @@ this rank belongs to, in id order, runs one cycle:
 3. complete the handles and wake the callers.
 
 Cycles are collectives, so they run one at a time (``_cycle_lock``), but not always on the
-engine thread: a caller blocked in :meth:`Engine.wait` while the thread sleeps runs them itself,
-which saves the two thread switches of a hand-off. The thread is still what moves asynchronous
-work that nobody waits for yet, and what keeps idle peers company; synchronous ops do not even
-wake it (:meth:`Engine.synchronous`).
+engine thread: a caller blocked in :meth:`Engine.wait` runs them itself, which saves the two
+thread switches of a hand-off, and the engine thread leaves them to it meanwhile. The thread is
+still what moves asynchronous work that nobody waits for yet, and what keeps idle peers
+company; synchronous ops do not even wake it (:meth:`Engine.synchronous`).
 
 A shutdown, a stall past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a
 peer that stops answering ends the engine on every rank with a message that names who and why;
@@ -159,7 +159,7 @@ class _Synchronous:
         local = self._local
         local.depth -= 1
         engine = self._engine
-        if not local.depth and engine._sleeping and not engine._idle():
+        if not local.depth and not engine._callers and not engine._idle():
             engine._wake()
 
 
@@ -178,6 +178,9 @@ class Engine:
         self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._sleeping = False  # the engine waits on _cond: submitters must notify it
+        # Threads inside wait(): they run the cycles themselves, and the engine thread leaves
+        # the work to them until the last one goes (see _loop).
+        self._callers = 0
         self._local = threading.local()  # .depth: this thread is inside synchronous ops
         self._synchronous = _Synchronous(self)
         self._done = threading.Condition()
@@ -261,6 +264,14 @@ class Engine:
             self._sleeping = False
             self._cond.notify()
 
+    def _leave(self) -> None:
+        """A caller leaves wait(): the last one hands what is left on this rank (another
+        thread's work, or what an error cut short) to the engine thread, unless it is inside
+        a synchronous op, whose exit does that."""
+        self._callers -= 1
+        if not self._callers and not getattr(self._local, "depth", 0) and not self._idle():
+            self._wake()
+
     def synchronous(self) -> _Synchronous:
         """Context of an op that waits for what it submits (``allreduce``, not
         ``allreduce_async``): its submissions leave the engine thread asleep, since the caller
@@ -286,13 +297,27 @@ class Engine:
     def wait(self, handle: int) -> Request:
         """Block until the handle completes; forget it; raise its error if it failed.
 
-        While the engine thread sleeps, the caller runs the engine's cycles itself instead of
-        waking it and sleeping in turn: two thread switches (each about 20 us here, more on a
-        shared core) are most of the latency of a small synchronous allreduce.
+        The caller runs the engine's cycles itself instead of waking the engine thread and
+        sleeping in turn: two thread switches (each about 20 us here, more on a shared core)
+        are most of the latency of a small synchronous allreduce. Meanwhile the engine thread
+        leaves the cycles to it (see _loop): a timer cycle of its own would only make the
+        caller wait for the lock.
         """
         req = self._handles.get(handle)
         if req is None:
             raise ValueError(f"handle {handle} was not created or has been cleared")
+        if not req.done:
+            self._callers += 1
+            try:
+                self._run_cycles_until(req)
+            finally:
+                self._leave()
+        del self._handles[handle]
+        if req.error is not None:
+            raise req.error
+        return req
+
+    def _run_cycles_until(self, req: Request) -> None:
         lock = self._cycle_lock
         while not req.done:
             if not self._stopped and lock.acquire(blocking=False):
@@ -301,14 +326,18 @@ class Engine:
                         self._guarded_cycle()
                 finally:
                     lock.release()
-            else:  # the engine thread is in a cycle (or stopping): let it finish
+                    self._released()
+            else:  # another thread is in a cycle (or the engine stops): let it finish
                 with self._done:
-                    if not req.done:
+                    if not req.done and (lock.locked() or self._stopped):
                         self._done.wait(1.0)
-        del self._handles[handle]
-        if req.error is not None:
-            raise req.error
-        return req
+
+    def _released(self) -> None:
+        """The cycle lock was just released: wake the callers that found it held. (Checked
+        under ``_done`` with the lock's state, so no wake-up is lost: nobody else runs the
+        next cycle for them while they wait.)"""
+        with self._done:
+            self._done.notify_all()
 
     def shutdown(self, reason: str | None = None) -> None:
         """Stop on every rank: peers learn ``reason`` (None for a normal exit)."""
@@ -341,6 +370,15 @@ class Engine:
     def _loop(self) -> None:
         cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
         while not self._stopped:
+            if self._callers and self._shutdown_reason is None:
+                # Callers run the cycles, and every cycle admits the whole queue: a cycle here
+                # would only make them wait for it (two thread switches and a GIL hand-off on
+                # a shared core). Submissions do not notify meanwhile (_sleeping stays False);
+                # the last caller to go hands over what is left (_leave).
+                with self._cond:
+                    if self._callers and self._shutdown_reason is None:
+                        self._cond.wait(cycle_s)
+                continue
             woken = False
             if not self._queue and self._shutdown_reason is None:
                 with self._cond:
@@ -349,14 +387,18 @@ class Engine:
                         woken = self._cond.wait(idle_s)
                     self._sleeping = False
             with self._cycle_lock:
-                if self._stopped:
-                    break
-                if woken and self._idle():
-                    # A submission woke us, but a waiting caller already ran the cycle that
-                    # completed it (see wait): nothing is left for peers to wait on.
-                    continue
-                self._worked = False
-                self._guarded_cycle()
+                stopped = self._stopped
+                # Woken by a submission, but a waiting caller already ran the cycle that
+                # completed it (see wait): nothing is left for peers to wait on.
+                ran = not stopped and not (woken and self._idle())
+                if ran:
+                    self._worked = False
+                    self._guarded_cycle()
+            self._released()
+            if stopped:
+                break
+            if not ran:
+                continue
             # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
             # back off so that an idle engine does not take the GIL from the training
             # thread a thousand times a second. A submission wakes it at once anyway.

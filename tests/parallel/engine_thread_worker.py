@@ -1,0 +1,96 @@
+"""Run on every rank by test_engine_thread.py: who runs the engine's cycles while a caller
+waits for a peer that comes late. The waiting caller runs them, the engine thread leaves them to
+it (a cycle of its own would only make the caller wait for the lock), and another thread's
+asynchronous op still moves meanwhile, through the caller's cycles on this rank and the engine
+thread's on the late one."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import hpc_horovod as hvd
+from hpc_horovod.common import basics
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+LATE = SIZE - 1
+DELAY_S = 0.5
+
+
+def count_engine_thread_cycles(engine) -> list[float]:
+    """Times at which the engine thread itself ran a cycle (a spy on the real method)."""
+    times: list[float] = []
+    run = engine._guarded_cycle
+
+    def counted() -> None:
+        if threading.current_thread() is engine._thread:
+            times.append(time.monotonic())
+        run()
+
+    engine._guarded_cycle = counted
+    return times
+
+
+def check_the_waiting_caller_runs_the_cycles(engine, on_thread: list[float]) -> None:
+    for variant, submit in enumerate((hvd.allreduce_, lambda x, name, op: hvd.synchronize(
+            hvd.allreduce_async_(x, name=name, op=op)))):  # the async one wakes the thread
+        COMM.Barrier()
+        if RANK == LATE:
+            time.sleep(DELAY_S)
+        before, start = len(on_thread), time.monotonic()
+        x = np.full(10, RANK + 1.0)
+        submit(x, name=f"late{variant}", op=hvd.Sum)
+        assert np.all(x == SIZE * (SIZE + 1) / 2)
+        if RANK != LATE:
+            waited = time.monotonic() - start
+            ran = len(on_thread) - before
+            # about one negotiation per ms for DELAY_S: the caller ran them, not the thread
+            assert waited > DELAY_S / 2 and ran <= 3, f"{ran} engine thread cycles in {waited}s"
+
+
+def check_another_threads_op_moves_meanwhile() -> None:
+    COMM.Barrier()
+    side_done = threading.Event()
+
+    def side() -> None:
+        y = np.full(5, RANK + 1.0)
+        handle = hvd.allreduce_async_(y, name="side", op=hvd.Sum)
+        while not hvd.poll(handle):
+            time.sleep(0.001)
+        hvd.synchronize(handle)
+        assert np.all(y == SIZE * (SIZE + 1) / 2)
+        side_done.set()
+
+    if RANK == LATE:
+        threading.Thread(target=side).start()
+        assert side_done.wait(30), "the side op never completed on the late rank"
+        time.sleep(DELAY_S)
+    x = np.ones(3)
+    thread = None
+    if RANK != LATE:
+        thread = threading.Thread(target=side)
+        thread.start()
+    hvd.allreduce_(x, name="main", op=hvd.Sum)  # the late rank submits it after DELAY_S
+    if thread is not None:
+        assert side_done.is_set(), "the side op waited for the caller's own op"
+        thread.join(30)
+    assert np.all(x == SIZE)
+
+
+def main() -> None:
+    hvd.init()
+    engine = basics.engine()
+    on_thread = count_engine_thread_cycles(engine)
+    check_the_waiting_caller_runs_the_cycles(engine, on_thread)
+    check_another_threads_op_moves_meanwhile()
+    hvd.shutdown()
+    print(f"rank {RANK}: engine thread ok", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

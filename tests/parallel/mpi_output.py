@@ -23,3 +23,9 @@ def launcher_text(proc: subprocess.CompletedProcess) -> str:
     """What mpirun itself printed (its lines carry no rank tag)."""
     lines = (proc.stdout + "\n" + proc.stderr).splitlines()
     return "\n".join(line for line in lines if not _TAG.search(line))
+
+
+def assert_every_rank_says(proc: subprocess.CompletedProcess, ranks: int, text: str) -> None:
+    """Every rank printed ``rank <r>: <text>`` (a worker's last line once its checks passed)."""
+    for rank in range(ranks):
+        assert f"rank {rank}: {text}" in proc.stdout, proc.stdout + proc.stderr

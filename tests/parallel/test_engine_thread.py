@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mpi_output import assert_every_rank_says
 
 WORKER = Path(__file__).with_name("engine_thread_worker.py")
 pytestmark = pytest.mark.mpi
@@ -14,5 +15,4 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_the_waiting_caller_runs_the_cycles(mpirun, ranks):
     proc = mpirun(ranks, WORKER, timeout=120)
-    for rank in range(ranks):
-        assert f"rank {rank}: engine thread ok" in proc.stdout, proc.stdout + proc.stderr
+    assert_every_rank_says(proc, ranks, "engine thread ok")

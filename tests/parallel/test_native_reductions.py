@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from mpi_output import assert_every_rank_says
 
 try:
     from hpc_horovod import _native  # noqa: F401
@@ -23,5 +24,4 @@ WORKER = Path(__file__).with_name("native_reductions_worker.py")
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_half_sums_with_native_operations(mpirun, ranks):
     proc = mpirun(ranks, WORKER, timeout=120)
-    for rank in range(ranks):
-        assert f"rank {rank}: native reductions ok" in proc.stdout
+    assert_every_rank_says(proc, ranks, "native reductions ok")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mpi_output import assert_every_rank_says
 
 WORKER = Path(__file__).with_name("node_allreduce_worker.py")
 pytestmark = pytest.mark.mpi
@@ -16,12 +17,10 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_node_allreduce_matches_mpi(mpirun, ranks):
     proc = mpirun(ranks, WORKER, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    for rank in range(ranks):
-        assert f"rank {rank}: node allreduce ok" in proc.stdout, proc.stdout + proc.stderr
+    assert_every_rank_says(proc, ranks, "node allreduce ok")
 
 
 def test_shm_disable_keeps_every_allreduce_in_mpi(mpirun):
     proc = mpirun(2, WORKER, timeout=240,
                   env={"HOROVOD_SHM_DISABLE": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    for rank in range(2):
-        assert f"rank {rank}: node allreduce ok" in proc.stdout, proc.stdout + proc.stderr
+    assert_every_rank_says(proc, 2, "node allreduce ok")

@@ -9,14 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+from mpi_output import assert_every_rank_says
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.mpi
-
-
-def assert_every_rank_says(proc, ranks: int, text: str) -> None:
-    for rank in range(ranks):
-        assert f"rank {rank}: {text}" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mpi_output import assert_every_rank_says
 
 WORKER = Path(__file__).with_name("peer_allreduce_worker.py")
 pytestmark = pytest.mark.mpi
@@ -14,5 +15,4 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_peer_allreduce(mpirun, ranks):
     proc = mpirun(ranks, WORKER, timeout=240, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    for rank in range(ranks):
-        assert f"rank {rank}: peer allreduce ok" in proc.stdout, proc.stdout + proc.stderr
+    assert_every_rank_says(proc, ranks, "peer allreduce ok")

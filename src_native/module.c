@@ -12,6 +12,7 @@
  *   peer_table(inputs, outputs, table),
  *   peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch)
  *                               a fused allreduce through the peers' own memory (peer.h)
+ *   Request, Lane               the per-tensor path of submissions (lane.h)
  *
  * Only the CPython C API and the buffer protocol are used. bfloat16 arrays (ml_dtypes) export no
  * buffer format, so they are recognised by their dtype's name.
@@ -22,6 +23,7 @@
 #include "convert.h"
 #include "kernels.h"
 #include "mpi_ops.h"
+#include "lane.h"
 #include "peer.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
@@ -632,5 +634,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     str_name = PyUnicode_InternFromString("name");
     if (str_dtype == NULL || str_name == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && hh_lane_register(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

@@ -93,6 +93,9 @@ class _State:
 
 
 _state: _State | None = None
+#: the engine's native per-tensor path (``Engine.lane``) while initialized, else None: the ops
+#: read it once per tensor
+lane = None
 _hooks_installed = False
 
 
@@ -243,7 +246,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     ``comm``: an mpi4py communicator (or a list of world ranks) to run on instead of the whole
     job. Without a launcher, and without ``comm``, the process runs alone and MPI is not loaded.
     """
-    global _state
+    global _state, lane
     if _state is not None:
         return
     settings = Settings.from_env()
@@ -272,7 +275,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
         ps.process_set_id = ps_id
         state.process_sets[ps_id] = ps
     engine.start()
-    _state = state
+    _state, lane = state, engine.lane
     _install_hooks()
 
 
@@ -298,11 +301,11 @@ def _install_hooks() -> None:
 
 def shutdown() -> None:
     """Stop the engine on every rank. Pending handles raise; ``init`` may be called again."""
-    global _state
+    global _state, lane
     state = _state
     if state is None:
         return
-    _state = None
+    _state, lane = None, None
     state.engine.shutdown()
     state.engine.free_backends()
     for ps in state.process_sets.values():

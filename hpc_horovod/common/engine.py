@@ -58,8 +58,13 @@ from .negotiation import (
     stall_message,
     unpack_words,
 )
-from .request import Request
+from .request import _SIGNATURES, Request, signature_of
 from .types import Adasum, Signature
+
+try:  # optional native fast path (src_native/lane.c); the package works without it
+    from .._native import Lane  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    Lane = None
 
 log = logging.getLogger("hpc_horovod")
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
@@ -107,6 +112,20 @@ class Plan:
             self.steps.append((activity, start, len(self.order), fused))
         self.names = [names[i] for i in self.order]
         self.sigs = [sigs[i] for i in self.order]
+
+
+def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool, bool]:
+    """(the response cache's bits of the pending requests it holds with the same signature,
+    whether some request is not there, whether every request writes into an output):
+    ``Lane.cache_bits`` in C."""
+    bits, uncached = 0, False
+    for name, req in pending.items():
+        entry = entries.get(name)
+        if entry is not None and (entry[1] is req.signature or entry[1] == req.signature):
+            bits |= 1 << entry[0]
+        else:
+            uncached = True
+    return bits, uncached, all(req.output is not None for req in pending.values())
 
 
 class ProcessSetState:
@@ -198,6 +217,14 @@ class Engine:
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
+        #: the per-tensor path in C: :meth:`submit`, and the ops' fast allreduce and
+        #: synchronize (``ops``); None without the native extension
+        self.lane = None
+        self._cache_bits, self._complete_group = _cache_bits, self._forget_done
+        if Lane is not None:
+            self.lane = Lane(self, self._queue, _SIGNATURES, signature_of, np.ndarray)
+            self.submit = self.lane.push
+            self._cache_bits, self._complete_group = self.lane.cache_bits, self.lane.complete
 
     # -- caller side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,7 +263,9 @@ class Engine:
         """:meth:`enqueue` of one request: the path every gradient takes.
 
         No lock here: the GIL makes ``dict.setdefault``, ``deque.append`` and ``next(count)``
-        atomic, and the engine thread is woken only when it sleeps.
+        atomic, and the engine thread is woken only when it sleeps. With the native extension
+        ``Lane.push`` replaces this method: the same steps in C, calling back here for errors
+        and wake-ups.
         """
         if self._closed:
             self._raise_if_stopped()
@@ -253,11 +282,17 @@ class Engine:
         req.handle = handle = next(self._handle_counter)
         self._handles[handle] = req
         self._queue.append(req)
-        if self._sleeping and not getattr(self._local, "depth", 0):
-            self._wake()
+        if self._sleeping:
+            self._on_sleeping_engine()
         if self._stopped:  # stopped meanwhile: nobody else will complete it
             self._fail_leftovers()
         return handle
+
+    def _on_sleeping_engine(self) -> None:
+        """A submission found the engine thread asleep: wake it, unless the submitter is
+        inside a synchronous op and runs the cycles itself."""
+        if not getattr(self._local, "depth", 0):
+            self._wake()
 
     def _wake(self) -> None:
         with self._cond:
@@ -434,7 +469,11 @@ class Engine:
         reason = self._shutdown_reason
         queue, sets, tl = self._queue, self._sets, self.timeline
         now = time.monotonic()
-        while queue:
+        if self.lane is not None and tl is None:
+            if queue:
+                for req in self.lane.admit(queue, sets, now):
+                    self._admit(req)
+        while queue:  # what the lane did not take (a timeline records every admission)
             req = queue.popleft()
             req.submitted_at = now
             ps = sets.get(req.process_set_id)
@@ -474,13 +513,10 @@ class Engine:
             self._worked = True
         if joined:
             bits = cache.valid_bits()
-        entries = cache.entries
-        for name, req in pending.items():
-            entry = entries.get(name)
-            if entry is not None and (entry[1] is req.signature or entry[1] == req.signature):
-                bits |= 1 << entry[0]
-            else:
-                or_flags |= FLAG_UNCACHED
+        cached, uncached, writes_back = self._cache_bits(pending, cache.entries)
+        bits |= cached
+        if uncached:
+            or_flags |= FLAG_UNCACHED
         settings = self.settings
         if pending:
             now = time.monotonic()
@@ -493,7 +529,7 @@ class Engine:
         if shutdown_reason is not None:
             or_flags |= FLAG_SHUTDOWN
         and_flags = FLAG_JOINED if joined else 0
-        if all(req.output is not None for req in pending.values()):
+        if writes_back:
             and_flags |= FLAG_WRITES_BACK
         words = pack_words(or_flags, and_flags, bits, cache.nwords)
         backend.negotiate(words, settings.peer_timeout_s)
@@ -647,13 +683,13 @@ class Engine:
                 if req is not None:
                     self._complete(req, error=error)
             raise error from exc
-        forget = self._inflight.pop
-        for req in group:
-            if req is not None:
-                if tl is not None:
+        if tl is None:
+            self._complete_group(group)
+        else:
+            for req in group:
+                if req is not None:
                     tl.op_end(req.name)
-                forget(req.key, None)
-                req.done = True
+            self._complete_group(group)
         with self._done:
             self._done.notify_all()
 
@@ -685,6 +721,14 @@ class Engine:
         req, ps.join_request = ps.join_request, None
         req.result = ps.ranks[last]
         self._complete(req)
+
+    def _forget_done(self, group: list[Request | None]) -> None:
+        """Mark a group's requests done and free their names (``Lane.complete`` in C)."""
+        forget = self._inflight.pop
+        for req in group:
+            if req is not None:
+                forget(req.key, None)
+                req.done = True
 
     def _complete(self, req: Request, error: BaseException | None = None) -> None:
         req.error = error

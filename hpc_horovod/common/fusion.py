@@ -138,7 +138,7 @@ class FusedAllreduce:
                 and peers_pay(self.total * dtype.itemsize, len(reqs), writes_back)
                 and hasattr(backend, "reduces_through_peers")
                 and backend.reduces_through_peers(dtype)):
-            self._reduce_through_peers(backend, reqs, dtype, pre)
+            self._reduce_through_peers(backend, reqs, dtype, pre, writes_back)
             return
         if len(reqs) == 1 and wire == dtype:
             _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
@@ -180,9 +180,17 @@ class FusedAllreduce:
                 if req is not None:
                     req.result = buf[a:b].reshape(shape)
 
-    def _reduce_through_peers(self, backend, reqs, dtype: np.dtype, factor: float) -> None:
+    def _reduce_through_peers(self, backend, reqs, dtype: np.dtype, factor: float,
+                              writes_back: bool) -> None:
         """Sum straight from every rank's tensors into every rank's outputs; results of
-        out-of-place requests are views of one fresh buffer."""
+        out-of-place requests are views of one fresh buffer. ``writes_back``: as in
+        ``__call__``, which also means that every request here has an output."""
+        if writes_back and None not in reqs:  # every request has an output: a gradient step
+            outputs = [req.output for req in reqs]
+            backend.reduce_through_peers([req.tensor for req in reqs], outputs, dtype, factor)
+            for req, out in zip(reqs, outputs):
+                req.result = out
+            return
         inputs, outputs, fresh = [], [], None
         for req, n, (a, b) in zip(reqs, self.sizes, self.bounds):
             if req is not None and req.output is not None:

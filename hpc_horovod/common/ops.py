@@ -81,6 +81,12 @@ def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start an allreduce; returns a handle for ``poll``/``synchronize``. Default op: Average."""
+    lane = basics.lane
+    if lane is not None and average is None:  # the native per-tensor path, where it applies
+        handle = lane.allreduce(tensor, name, op, prescale_factor, postscale_factor,
+                                process_set, False)
+        if handle is not None:
+            return handle
     if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous:
         tensor = _array(tensor, "allreduce")
     return submit_one(allreduce_request(
@@ -98,6 +104,12 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place allreduce of a writable C-contiguous array."""
+    lane = basics.lane
+    if lane is not None and average is None:
+        handle = lane.allreduce(tensor, name, op, prescale_factor, postscale_factor,
+                                process_set, True)
+        if handle is not None:
+            return handle
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
             not tensor.flags.writeable:
         raise ValueError("in-place allreduce needs a writable C-contiguous numpy array")
@@ -309,6 +321,9 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int):
     """Wait for ``handle`` and return its output; raise ``HorovodInternalError`` on failure."""
+    lane = basics.lane
+    if lane is not None:
+        return lane.synchronize(handle)
     return basics.engine().wait(handle).result
 
 

@@ -1,0 +1,644 @@
+/* The per-tensor path of a submission, in C.
+ *
+ * A training step submits a few hundred gradients and waits for each: in Python, building the
+ * request, claiming its name, queueing it and later taking its result cost about 1.5 us per
+ * tensor, as long as the whole allreduce of a 16 KiB gradient. Here:
+ *
+ *   Request    what hpc_horovod.common.request.Request is in Python, with the same fields
+ *   Lane(engine, queue, signatures, signature_of, ndarray)
+ *     .push(request) -> handle           Engine.submit: claim the name, queue, wake the engine
+ *     .allreduce(tensor, name, op, prescale, postscale, process_set, in_place) -> handle | None
+ *                                        allreduce_async(_) of a C-contiguous numpy array with
+ *                                        a name; None where the Python path must decide
+ *     .synchronize(handle) -> result     ops.synchronize: the result of a completed request, or
+ *                                        Engine.wait's
+ *     .admit(queue, sets, now) -> list   the engine's admission of its queue into the process
+ *                                        sets' pending dicts; returns what Python must admit
+ *     .cache_bits(pending, entries) -> (bits, uncached, writes_back)
+ *                                        the response cache's bits of the pending requests
+ *     .complete(group)                   mark a group's requests done, forget their names
+ *
+ * Whatever is uncommon (errors, a closed or sleeping engine, a signature not seen before) calls
+ * back into the engine's Python, so the messages and the rules stay in one place.
+ */
+#include "lane.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <structmember.h>
+
+/* ---- Request ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *name, *tensor, *signature, *process_set_id, *output, *splits, *key, *handle,
+        *result, *error, *submitted_at, *ready_event, *done_event;
+    char done;
+} Request;
+
+#define REQUEST_FIELDS(X)                                                                        \
+    X(name) X(tensor) X(signature) X(process_set_id) X(output) X(splits) X(key) X(handle)        \
+    X(result) X(error) X(submitted_at) X(ready_event) X(done_event)
+
+static PyMemberDef request_members[] = {
+#define MEMBER(f) {#f, T_OBJECT, offsetof(Request, f), 0, NULL},
+    REQUEST_FIELDS(MEMBER)
+#undef MEMBER
+    {"done", T_BOOL, offsetof(Request, done), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int request_traverse(Request *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    REQUEST_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int request_clear(Request *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    REQUEST_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void request_dealloc(Request *self) {
+    PyObject_GC_UnTrack(self);
+    request_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject RequestType;
+
+/* A new request; `output` and `splits` may be None. */
+static Request *make_request(PyObject *name, PyObject *tensor, PyObject *signature,
+                             PyObject *process_set_id, PyObject *output, PyObject *splits) {
+    PyObject *key = PyTuple_Pack(2, process_set_id, name);
+    if (key == NULL)
+        return NULL;
+    Request *req = (Request *)RequestType.tp_alloc(&RequestType, 0);
+    if (req == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    req->name = Py_NewRef(name);
+    req->tensor = Py_NewRef(tensor);
+    req->signature = Py_NewRef(signature);
+    req->process_set_id = Py_NewRef(process_set_id);
+    req->output = Py_NewRef(output);
+    req->splits = Py_NewRef(splits);
+    req->key = key;
+    return req;
+}
+
+static PyObject *request_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"name", "tensor", "signature", "process_set_id", "output", "splits",
+                             NULL};
+    PyObject *name, *tensor, *signature, *ps = NULL, *output = Py_None, *splits = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OOO:Request", kwlist, &name, &tensor,
+                                     &signature, &ps, &output, &splits))
+        return NULL;
+    PyObject *zero = NULL;
+    if (ps == NULL && (ps = zero = PyLong_FromLong(0)) == NULL)
+        return NULL;
+    Request *req = make_request(name, tensor, signature, ps, output, splits);
+    Py_XDECREF(zero);
+    return (PyObject *)req;
+}
+
+static PyObject *request_kind(Request *self, void *closure) {
+    if (self->signature == NULL || !PyTuple_Check(self->signature) ||
+        PyTuple_GET_SIZE(self->signature) == 0) {
+        PyErr_SetString(PyExc_AttributeError, "kind: the request has no signature");
+        return NULL;
+    }
+    return Py_NewRef(PyTuple_GET_ITEM(self->signature, 0));
+}
+
+static PyGetSetDef request_getset[] = {
+    {"kind", (getter)request_kind, NULL, "The signature's kind ('allreduce', ...).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hpc_horovod._native.Request",
+    .tp_doc = "Request(name, tensor, signature, process_set_id=0, output=None, splits=None)\n\n"
+              "A pending collective on this rank: its inputs, its agreed signature and, once "
+              "done, its result or error. Completed by the engine, read by the caller.",
+    .tp_basicsize = sizeof(Request),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = request_new,
+    .tp_dealloc = (destructor)request_dealloc,
+    .tp_traverse = (traverseproc)request_traverse,
+    .tp_clear = (inquiry)request_clear,
+    .tp_members = request_members,
+    .tp_getset = request_getset,
+};
+
+/* ---- Lane ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *engine, *state; /* the engine and its __dict__ (its flags are read there) */
+    PyObject *inflight, *handles, *members, *counter, *append;
+    PyObject *signatures, *signature_of, *ndarray;
+} Lane;
+
+#define LANE_FIELDS(X)                                                                           \
+    X(engine) X(state) X(inflight) X(handles) X(members) X(counter) X(append) X(signatures)      \
+    X(signature_of) X(ndarray)
+
+static PyObject *s_closed, *s_sleeping, *s_stopped, *s_raise_if_stopped, *s_claim,
+    *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_result, *s_allreduce, *s_flags,
+    *s_c_contiguous, *s_writeable, *s_dtype, *s_shape, *s_process_set_id, *s_dict, *s_pending, *s_clear;
+static PyObject *average_op, *no_root; /* 0 and -1 */
+
+static int lane_traverse(Lane *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    LANE_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int lane_clear(Lane *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    LANE_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void lane_dealloc(Lane *self) {
+    PyObject_GC_UnTrack(self);
+    lane_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The engine attribute `name` from its __dict__ (borrowed), or NULL with an exception set. */
+static PyObject *engine_attribute(PyObject *state, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(state, name);
+    if (value == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_AttributeError, "the engine has no attribute %R", name);
+    return value;
+}
+
+static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"engine", "queue", "signatures", "signature_of", "ndarray", NULL};
+    PyObject *engine, *queue, *signatures, *signature_of, *ndarray;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!OO!:Lane", kwlist, &engine, &queue,
+                                     &PyDict_Type, &signatures, &signature_of, &PyType_Type,
+                                     &ndarray))
+        return NULL;
+    Lane *self = (Lane *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->engine = Py_NewRef(engine);
+    self->signatures = Py_NewRef(signatures);
+    self->signature_of = Py_NewRef(signature_of);
+    self->ndarray = Py_NewRef(ndarray);
+    if ((self->state = PyObject_GetAttr(engine, s_dict)) == NULL || !PyDict_Check(self->state))
+        goto fail;
+    /* The containers are created once with the engine and never replaced. */
+    static const char *names[] = {"_inflight", "_handles", "_members"};
+    PyObject **fields[] = {&self->inflight, &self->handles, &self->members};
+    for (int i = 0; i < 3; i++) {
+        PyObject *value = PyDict_GetItemString(self->state, names[i]);
+        if (value == NULL || !PyDict_CheckExact(value)) {
+            PyErr_Format(PyExc_TypeError, "Lane: the engine's %s must be a dict", names[i]);
+            goto fail;
+        }
+        *fields[i] = Py_NewRef(value);
+    }
+    if ((self->counter = PyDict_GetItemString(self->state, "_handle_counter")) == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Lane: the engine has no _handle_counter");
+        goto fail;
+    }
+    Py_INCREF(self->counter);
+    if ((self->append = PyObject_GetAttrString(queue, "append")) == NULL)
+        goto fail;
+    return (PyObject *)self;
+fail:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "Lane: the engine must keep its state in a __dict__");
+    Py_DECREF(self);
+    return NULL;
+}
+
+/* 1 if the engine's flag `name` is set, 0 if not, -1 on error. */
+static int flag(Lane *self, PyObject *name) {
+    PyObject *value = engine_attribute(self->state, name);
+    return value == NULL ? -1 : value == Py_True ? 1 : PyObject_IsTrue(value);
+}
+
+/* Call the engine's method `name` with `arg` (or none) and drop its result; 0 or -1. */
+static int call_engine(Lane *self, PyObject *name, PyObject *arg) {
+    PyObject *result = arg == NULL ? PyObject_CallMethodNoArgs(self->engine, name)
+                                   : PyObject_CallMethodOneArg(self->engine, name, arg);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* Engine.submit: claim the request's name, give it a handle, queue it. */
+static PyObject *push(Lane *self, Request *req) {
+    int closed = flag(self, s_closed);
+    if (closed < 0 || (closed && call_engine(self, s_raise_if_stopped, NULL) < 0))
+        return NULL;
+    int member = PyDict_Contains(self->members, req->process_set_id);
+    if (member < 0)
+        return NULL;
+    PyObject *claimed = member ? PyDict_SetDefault(self->inflight, req->key, (PyObject *)req)
+                               : NULL;
+    if (member && claimed == NULL)
+        return NULL;
+    if (claimed != (PyObject *)req) {
+        /* Not a member, or a duplicate name: the engine's own claim raises the error. */
+        if (call_engine(self, s_claim, (PyObject *)req) < 0)
+            return NULL;
+        PyErr_Format(PyExc_RuntimeError, "Lane: the engine accepted %R twice", req->name);
+        return NULL;
+    }
+    PyObject *handle = PyIter_Next(self->counter);
+    if (handle == NULL) {
+        PyDict_DelItem(self->inflight, req->key);
+        return NULL;
+    }
+    Py_XSETREF(req->handle, Py_NewRef(handle));
+    if (PyDict_SetItem(self->handles, handle, (PyObject *)req) < 0)
+        goto fail;
+    PyObject *queued = PyObject_CallOneArg(self->append, (PyObject *)req);
+    if (queued == NULL) {
+        PyDict_DelItem(self->handles, handle);
+        goto fail;
+    }
+    Py_DECREF(queued);
+    int sleeping = flag(self, s_sleeping), stopped;
+    if (sleeping < 0 || (sleeping && call_engine(self, s_on_sleeping_engine, NULL) < 0))
+        goto queued;
+    /* stopped meanwhile: nobody else will complete it */
+    stopped = flag(self, s_stopped);
+    if (stopped < 0 || (stopped && call_engine(self, s_fail_leftovers, NULL) < 0))
+        goto queued;
+    return handle;
+fail:
+    Py_DECREF(handle);
+    PyDict_DelItem(self->inflight, req->key);
+    return NULL;
+queued: /* queued, but waking the engine failed: the request stays the engine's to complete */
+    Py_DECREF(handle);
+    return NULL;
+}
+
+static PyObject *lane_push(Lane *self, PyObject *req) {
+    if (!PyObject_TypeCheck(req, &RequestType)) {
+        PyErr_Format(PyExc_TypeError, "Lane.push: expected a Request, not %.100s",
+                     Py_TYPE(req)->tp_name);
+        return NULL;
+    }
+    return push(self, (Request *)req);
+}
+
+/* 1 if attribute `name` of `obj` is true, 0 if not, -1 on error. */
+static int attribute_true(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int truth = value == Py_True ? 1 : PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *lane_allreduce(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "Lane.allreduce takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *tensor = args[0], *name = args[1], *op = args[2], *prescale = args[3],
+             *postscale = args[4], *process_set = args[5];
+    int in_place = PyObject_IsTrue(args[6]);
+    if (in_place < 0)
+        return NULL;
+    if (op == Py_None)
+        op = average_op;
+    /* Anything else (other arrays, generated names, other scales) takes the Python path. */
+    if (Py_TYPE(tensor) != (PyTypeObject *)self->ndarray || !PyUnicode_CheckExact(name) ||
+        !PyLong_CheckExact(op) || !PyFloat_CheckExact(prescale) ||
+        !PyFloat_CheckExact(postscale))
+        Py_RETURN_NONE;
+    PyObject *ps_id = PyObject_GetAttr(process_set, s_process_set_id);
+    if (ps_id == NULL)
+        return NULL;
+    PyObject *result = NULL, *flags = NULL, *dtype = NULL, *shape = NULL, *key = NULL,
+             *signature = NULL;
+    Request *req = NULL;
+    if (ps_id == Py_None)
+        goto python;
+    if ((flags = PyObject_GetAttr(tensor, s_flags)) == NULL)
+        goto done;
+    int usable = attribute_true(flags, s_c_contiguous);
+    if (usable > 0 && in_place)
+        usable = attribute_true(flags, s_writeable);
+    if (usable < 0)
+        goto done;
+    if (!usable)
+        goto python;
+    if ((dtype = PyObject_GetAttr(tensor, s_dtype)) == NULL ||
+        (shape = PyObject_GetAttr(tensor, s_shape)) == NULL)
+        goto done;
+    /* request.signature_of's key: one dict lookup once the combination has been seen */
+    key = PyTuple_Pack(8, s_allreduce, dtype, shape, op, no_root, prescale, postscale,
+                       (PyObject *)Py_TYPE(tensor));
+    if (key == NULL)
+        goto done;
+    signature = PyDict_GetItemWithError(self->signatures, key);
+    if (signature != NULL)
+        Py_INCREF(signature);
+    else if (PyErr_Occurred() ||
+             (signature = PyObject_CallFunctionObjArgs(self->signature_of, s_allreduce, tensor,
+                                                       op, no_root, prescale, postscale,
+                                                       NULL)) == NULL)
+        goto done;
+    req = make_request(name, tensor, signature, ps_id, in_place ? tensor : Py_None, Py_None);
+    if (req != NULL)
+        result = push(self, req);
+    goto done;
+python:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(req);
+    Py_XDECREF(signature);
+    Py_XDECREF(key);
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(flags);
+    Py_DECREF(ps_id);
+    return result;
+}
+
+static PyObject *lane_synchronize(Lane *self, PyObject *handle) {
+    PyObject *found = PyDict_GetItemWithError(self->handles, handle);
+    if (found != NULL && Py_TYPE(found) == &RequestType) {
+        Request *req = (Request *)found;
+        if (req->done && (req->error == NULL || req->error == Py_None)) {
+            PyObject *result = Py_NewRef(req->result != NULL ? req->result : Py_None);
+            if (PyDict_DelItem(self->handles, handle) < 0)
+                Py_CLEAR(result);
+            return result;
+        }
+    } else if (PyErr_Occurred()) {
+        return NULL;
+    }
+    /* not done yet, failed, or unknown: Engine.wait runs the cycles and raises */
+    PyObject *req = PyObject_CallMethodOneArg(self->engine, s_wait, handle);
+    if (req == NULL)
+        return NULL;
+    PyObject *result = PyObject_GetAttr(req, s_result);
+    Py_DECREF(req);
+    return result;
+}
+
+/* The signature's kind of a request (borrowed), or NULL. */
+static PyObject *kind_of(Request *req) {
+    PyObject *sig = req->signature;
+    return sig != NULL && PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) > 0 ? PyTuple_GET_ITEM(sig, 0)
+                                                                           : NULL;
+}
+
+static PyObject *lane_admit(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "Lane.admit(queue, sets: dict, now)");
+        return NULL;
+    }
+    PyObject *queue = args[0], *sets = args[1], *now = args[2];
+    PyObject *leftovers = PyList_New(0), *iterator = NULL, *item = NULL;
+    PyObject *last_set = NULL, *pending = NULL; /* the set of the previous request, its dict */
+    if (leftovers == NULL || (iterator = PyObject_GetIter(queue)) == NULL)
+        goto fail;
+    /* Nothing below runs Python code, so no other thread appends meanwhile (GIL). */
+    while ((item = PyIter_Next(iterator)) != NULL) {
+        PyObject *ps = NULL, *kind = NULL;
+        if (Py_TYPE(item) == &RequestType) {
+            Request *req = (Request *)item;
+            Py_XSETREF(req->submitted_at, Py_NewRef(now));
+            ps = PyDict_GetItemWithError(sets, req->process_set_id);
+            kind = kind_of(req);
+        }
+        if (ps == NULL && PyErr_Occurred())
+            goto fail;
+        int join = kind == NULL || (kind != s_allreduce && PyUnicode_Check(kind) &&
+                                    PyUnicode_CompareWithASCIIString(kind, "join") == 0);
+        if (ps == NULL || join) {
+            if (PyList_Append(leftovers, item) < 0)
+                goto fail;
+        } else {
+            if (ps != last_set) {
+                Py_XDECREF(pending);
+                if ((pending = PyObject_GetAttr(ps, s_pending)) == NULL)
+                    goto fail;
+                last_set = ps;
+            }
+            if (PyDict_SetItem(pending, ((Request *)item)->name, item) < 0)
+                goto fail;
+        }
+        Py_CLEAR(item);
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(iterator);
+    Py_XDECREF(pending);
+    PyObject *cleared = PyObject_CallMethodNoArgs(queue, s_clear);
+    if (cleared == NULL) {
+        Py_DECREF(leftovers);
+        return NULL;
+    }
+    Py_DECREF(cleared);
+    return leftovers;
+fail:
+    Py_XDECREF(item);
+    Py_XDECREF(pending);
+    Py_XDECREF(iterator);
+    Py_XDECREF(leftovers);
+    return NULL;
+}
+
+static PyObject *lane_cache_bits(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "Lane.cache_bits(pending: dict, entries: dict)");
+        return NULL;
+    }
+    PyObject *pending = args[0], *entries = args[1], *name, *item, *bits = NULL;
+    Py_ssize_t pos = 0, nwords = 0;
+    uint64_t *words = NULL;
+    int uncached = 0, writes_back = 1;
+    while (PyDict_Next(pending, &pos, &name, &item)) {
+        if (Py_TYPE(item) != &RequestType) {
+            PyErr_SetString(PyExc_TypeError, "Lane.cache_bits: pending holds a non-Request");
+            goto done;
+        }
+        Request *req = (Request *)item;
+        if (req->output == NULL || req->output == Py_None)
+            writes_back = 0;
+        PyObject *entry = PyDict_GetItemWithError(entries, name);
+        if (entry == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            uncached = 1;
+            continue;
+        }
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "Lane.cache_bits: entries must be (bit, signature)");
+            goto done;
+        }
+        PyObject *cached = PyTuple_GET_ITEM(entry, 1);
+        int same = cached == req->signature ? 1
+                                            : PyObject_RichCompareBool(cached, req->signature, Py_EQ);
+        if (same < 0)
+            goto done;
+        if (!same) {
+            uncached = 1;
+            continue;
+        }
+        Py_ssize_t bit = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0));
+        if (bit < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "Lane.cache_bits: a negative cache bit");
+            goto done;
+        }
+        if (bit / 64 >= nwords) {
+            Py_ssize_t grown = bit / 64 + 1 > 2 * nwords ? bit / 64 + 1 : 2 * nwords;
+            uint64_t *more = PyMem_Realloc(words, (size_t)grown * sizeof(uint64_t));
+            if (more == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            memset(more + nwords, 0, (size_t)(grown - nwords) * sizeof(uint64_t));
+            words = more;
+            nwords = grown;
+        }
+        words[bit / 64] |= (uint64_t)1 << (bit % 64);
+    }
+    /* the Python int of the words, most significant first */
+    bits = PyLong_FromLong(0);
+    for (Py_ssize_t w = nwords - 1; w >= 0 && bits != NULL; w--) {
+        PyObject *shift = PyLong_FromLong(64), *word = PyLong_FromUnsignedLongLong(words[w]);
+        PyObject *shifted = shift && word ? PyNumber_Lshift(bits, shift) : NULL;
+        Py_XDECREF(shift);
+        Py_SETREF(bits, shifted ? PyNumber_Or(shifted, word) : NULL);
+        Py_XDECREF(shifted);
+        Py_XDECREF(word);
+    }
+done:
+    PyMem_Free(words);
+    if (bits == NULL)
+        return NULL;
+    return Py_BuildValue("(NOO)", bits, uncached ? Py_True : Py_False,
+                         writes_back ? Py_True : Py_False);
+}
+
+static PyObject *lane_complete(Lane *self, PyObject *group) {
+    PyObject *items = PySequence_Fast(group, "Lane.complete: group must be a sequence");
+    if (items == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        if (item == Py_None)
+            continue;
+        if (Py_TYPE(item) != &RequestType) {
+            PyErr_SetString(PyExc_TypeError, "Lane.complete: the group holds a non-Request");
+            Py_DECREF(items);
+            return NULL;
+        }
+        Request *req = (Request *)item;
+        if (PyDict_DelItem(self->inflight, req->key) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                Py_DECREF(items);
+                return NULL;
+            }
+            PyErr_Clear();
+        }
+        req->done = 1;
+    }
+    Py_DECREF(items);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef lane_methods[] = {
+    {"push", (PyCFunction)lane_push, METH_O,
+     "push(request) -> int\n\nEngine.submit: claim the name, queue the request, wake the "
+     "engine thread if it sleeps; returns the handle."},
+    {"allreduce", (PyCFunction)(void (*)(void))lane_allreduce, METH_FASTCALL,
+     "allreduce(tensor, name, op, prescale, postscale, process_set, in_place) -> int | None\n\n"
+     "Submit the allreduce of a C-contiguous numpy array (writable when in place) under "
+     "``name``; None when it needs the Python path (another type, no name, a scale that is "
+     "not a float, an unregistered process set)."},
+    {"synchronize", (PyCFunction)lane_synchronize, METH_O,
+     "synchronize(handle) -> result\n\nThe result of a completed request (the handle is then "
+     "forgotten); otherwise what Engine.wait(handle).result gives or raises."},
+    {"admit", (PyCFunction)(void (*)(void))lane_admit, METH_FASTCALL,
+     "admit(queue, sets, now) -> list\n\nMove the queued requests into the pending dict of "
+     "their process set (``sets[id].pending``), stamping ``submitted_at``; returns the ones "
+     "the engine must admit itself (joins, sets this rank is not in), in queue order."},
+    {"cache_bits", (PyCFunction)(void (*)(void))lane_cache_bits, METH_FASTCALL,
+     "cache_bits(pending, entries) -> (bits, uncached, writes_back)\n\nThe response cache's "
+     "bits of the pending requests whose name and signature it holds (``entries``: name -> "
+     "(bit, signature)); whether some request is not there; whether every request writes into "
+     "an output."},
+    {"complete", (PyCFunction)lane_complete, METH_O,
+     "complete(group) -> None\n\nMark the group's requests done (None entries skipped) and "
+     "forget their names."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hpc_horovod._native.Lane",
+    .tp_doc = "Lane(engine, queue, signatures, signature_of, ndarray)\n\n"
+              "The per-tensor path of submissions into ``engine``, which keeps every rule: "
+              "errors and uncommon cases call back into it.",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = lane_new,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_traverse = (traverseproc)lane_traverse,
+    .tp_clear = (inquiry)lane_clear,
+    .tp_methods = lane_methods,
+};
+
+int hh_lane_register(PyObject *module) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } strings[] = {
+        {&s_closed, "_closed"},
+        {&s_sleeping, "_sleeping"},
+        {&s_stopped, "_stopped"},
+        {&s_raise_if_stopped, "_raise_if_stopped"},
+        {&s_claim, "_claim"},
+        {&s_on_sleeping_engine, "_on_sleeping_engine"},
+        {&s_fail_leftovers, "_fail_leftovers"},
+        {&s_wait, "wait"},
+        {&s_result, "result"},
+        {&s_allreduce, "allreduce"},
+        {&s_flags, "flags"},
+        {&s_c_contiguous, "c_contiguous"},
+        {&s_writeable, "writeable"},
+        {&s_dtype, "dtype"},
+        {&s_shape, "shape"},
+        {&s_process_set_id, "process_set_id"},
+        {&s_dict, "__dict__"},
+        {&s_pending, "pending"},
+        {&s_clear, "clear"},
+    };
+    for (size_t i = 0; i < sizeof strings / sizeof strings[0]; i++)
+        if ((*strings[i].slot = PyUnicode_InternFromString(strings[i].text)) == NULL)
+            return -1;
+    if ((average_op = PyLong_FromLong(0)) == NULL || (no_root = PyLong_FromLong(-1)) == NULL)
+        return -1;
+    if (PyType_Ready(&RequestType) < 0 || PyType_Ready(&LaneType) < 0)
+        return -1;
+    if (PyModule_AddObjectRef(module, "Request", (PyObject *)&RequestType) < 0 ||
+        PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0)
+        return -1;
+    return 0;
+}

@@ -10,8 +10,8 @@
  *     .allreduce(tensor, name, op, prescale, postscale, process_set, in_place) -> handle | None
  *                                        allreduce_async(_) of a C-contiguous numpy array with
  *                                        a name; None where the Python path must decide
- *     .synchronize(handle) -> result     ops.synchronize: the result of a completed request, or
- *                                        Engine.wait's
+ *     .wait(handle) -> request           Engine.wait: a completed request, or what the Python
+ *                                        method gives (it runs the cycles)
  *     .admit(queue, sets, now) -> list   the engine's admission of its queue into the process
  *                                        sets' pending dicts; returns what Python must admit
  *     .cache_bits(pending, entries) -> (bits, uncached, writes_back)
@@ -139,19 +139,32 @@ static PyTypeObject RequestType = {
 
 /* ---- Lane ---------------------------------------------------------------------------------- */
 
+/* One remembered allreduce signature: what request.signature_of was given, and what it gave.
+ * A training step submits the same few hundred shapes every time; this spares building and
+ * hashing its 8-field dict key (a third of a submission's time). */
+typedef struct {
+    PyObject *dtype, *shape, *signature; /* strong references; NULL: an empty slot */
+    PyTypeObject *type;                  /* held through `signature`'s creation, see store */
+    long op;
+    double prescale, postscale;
+} remembered;
+
+#define REMEMBERED 512 /* slots, a power of two */
+
 typedef struct {
     PyObject_HEAD
     PyObject *engine, *state; /* the engine and its __dict__ (its flags are read there) */
     PyObject *inflight, *handles, *members, *counter, *append;
-    PyObject *signatures, *signature_of, *ndarray;
+    PyObject *signatures, *signature_of, *ndarray, *wait;
+    remembered *remembered; /* REMEMBERED slots, direct-mapped */
 } Lane;
 
 #define LANE_FIELDS(X)                                                                           \
     X(engine) X(state) X(inflight) X(handles) X(members) X(counter) X(append) X(signatures)      \
-    X(signature_of) X(ndarray)
+    X(signature_of) X(ndarray) X(wait)
 
 static PyObject *s_closed, *s_sleeping, *s_stopped, *s_raise_if_stopped, *s_claim,
-    *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_result, *s_allreduce, *s_flags,
+    *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_allreduce, *s_flags,
     *s_c_contiguous, *s_writeable, *s_dtype, *s_shape, *s_process_set_id, *s_dict, *s_pending, *s_clear;
 static PyObject *average_op, *no_root; /* 0 and -1 */
 
@@ -159,19 +172,35 @@ static int lane_traverse(Lane *self, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(self->f);
     LANE_FIELDS(VISIT)
 #undef VISIT
+    if (self->remembered != NULL)
+        for (int i = 0; i < REMEMBERED; i++) {
+            Py_VISIT(self->remembered[i].dtype);
+            Py_VISIT(self->remembered[i].shape);
+            Py_VISIT(self->remembered[i].signature);
+        }
     return 0;
+}
+
+static void forget_slot(remembered *slot) {
+    Py_CLEAR(slot->dtype);
+    Py_CLEAR(slot->shape);
+    Py_CLEAR(slot->signature);
 }
 
 static int lane_clear(Lane *self) {
 #define CLEAR(f) Py_CLEAR(self->f);
     LANE_FIELDS(CLEAR)
 #undef CLEAR
+    if (self->remembered != NULL)
+        for (int i = 0; i < REMEMBERED; i++)
+            forget_slot(&self->remembered[i]);
     return 0;
 }
 
 static void lane_dealloc(Lane *self) {
     PyObject_GC_UnTrack(self);
     lane_clear(self);
+    PyMem_Free(self->remembered);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -197,6 +226,10 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->signatures = Py_NewRef(signatures);
     self->signature_of = Py_NewRef(signature_of);
     self->ndarray = Py_NewRef(ndarray);
+    if ((self->remembered = PyMem_Calloc(REMEMBERED, sizeof(remembered))) == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     if ((self->state = PyObject_GetAttr(engine, s_dict)) == NULL || !PyDict_Check(self->state))
         goto fail;
     /* The containers are created once with the engine and never replaced. */
@@ -216,6 +249,9 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(self->counter);
     if ((self->append = PyObject_GetAttrString(queue, "append")) == NULL)
+        goto fail;
+    /* the class's function: the instance's `wait` may be this lane's */
+    if ((self->wait = PyObject_GetAttr((PyObject *)Py_TYPE(engine), s_wait)) == NULL)
         goto fail;
     return (PyObject *)self;
 fail:
@@ -308,6 +344,57 @@ static int attribute_true(PyObject *obj, PyObject *name) {
     return truth;
 }
 
+/* The slot of (dtype, shape, type, op, scales), or NULL with an exception set when the shape
+ * is not a tuple of ints. */
+static remembered *slot_of(Lane *self, PyObject *dtype, PyObject *shape, PyTypeObject *type,
+                           long op, double prescale, double postscale) {
+    if (!PyTuple_Check(shape)) {
+        PyErr_SetString(PyExc_TypeError, "Lane.allreduce: the array's shape is not a tuple");
+        return NULL;
+    }
+    uint64_t h = (uint64_t)(uintptr_t)dtype * 0x9E3779B97F4A7C15ull;
+    h ^= (uint64_t)(uintptr_t)type + (uint64_t)op * 0x100000001B3ull;
+    uint64_t bits[2];
+    memcpy(&bits[0], &prescale, sizeof(double));
+    memcpy(&bits[1], &postscale, sizeof(double));
+    h = (h ^ bits[0]) * 0x9E3779B97F4A7C15ull;
+    h = (h ^ bits[1]) * 0x9E3779B97F4A7C15ull;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+        Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        if (dim == -1 && PyErr_Occurred())
+            return NULL;
+        h = (h ^ (uint64_t)dim) * 0x9E3779B97F4A7C15ull;
+    }
+    return &self->remembered[(h >> 32) & (REMEMBERED - 1)];
+}
+
+/* The signature `slot` remembers for these arguments (borrowed), or NULL (none, no error). */
+static PyObject *recall(remembered *slot, PyObject *dtype, PyObject *shape, PyTypeObject *type,
+                        long op, double prescale, double postscale) {
+    if (slot->signature == NULL || slot->dtype != dtype || slot->type != type || slot->op != op ||
+        memcmp(&slot->prescale, &prescale, sizeof(double)) != 0 ||
+        memcmp(&slot->postscale, &postscale, sizeof(double)) != 0)
+        return NULL;
+    int same = slot->shape == shape ? 1 : PyObject_RichCompareBool(slot->shape, shape, Py_EQ);
+    if (same <= 0) {
+        PyErr_Clear(); /* tuples of ints: cannot fail, and a failure only means "not here" */
+        return NULL;
+    }
+    return slot->signature;
+}
+
+static void store(remembered *slot, PyObject *dtype, PyObject *shape, PyTypeObject *type, long op,
+                  double prescale, double postscale, PyObject *signature) {
+    forget_slot(slot);
+    slot->dtype = Py_NewRef(dtype);
+    slot->shape = Py_NewRef(shape);
+    slot->signature = Py_NewRef(signature);
+    slot->type = type; /* an ndarray type: the lane holds it (`ndarray`) */
+    slot->op = op;
+    slot->prescale = prescale;
+    slot->postscale = postscale;
+}
+
 static PyObject *lane_allreduce(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_Format(PyExc_TypeError, "Lane.allreduce takes 7 arguments (%zd given)", nargs);
@@ -345,19 +432,34 @@ static PyObject *lane_allreduce(Lane *self, PyObject *const *args, Py_ssize_t na
     if ((dtype = PyObject_GetAttr(tensor, s_dtype)) == NULL ||
         (shape = PyObject_GetAttr(tensor, s_shape)) == NULL)
         goto done;
-    /* request.signature_of's key: one dict lookup once the combination has been seen */
-    key = PyTuple_Pack(8, s_allreduce, dtype, shape, op, no_root, prescale, postscale,
-                       (PyObject *)Py_TYPE(tensor));
-    if (key == NULL)
+    long op_value = PyLong_AsLong(op);
+    if (op_value == -1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* no such op: the Python path names it */
+        goto python;
+    }
+    double pre = PyFloat_AS_DOUBLE(prescale), post = PyFloat_AS_DOUBLE(postscale);
+    remembered *slot = slot_of(self, dtype, shape, Py_TYPE(tensor), op_value, pre, post);
+    if (slot == NULL)
         goto done;
-    signature = PyDict_GetItemWithError(self->signatures, key);
-    if (signature != NULL)
+    signature = recall(slot, dtype, shape, Py_TYPE(tensor), op_value, pre, post);
+    if (signature != NULL) {
         Py_INCREF(signature);
-    else if (PyErr_Occurred() ||
-             (signature = PyObject_CallFunctionObjArgs(self->signature_of, s_allreduce, tensor,
-                                                       op, no_root, prescale, postscale,
-                                                       NULL)) == NULL)
-        goto done;
+    } else {
+        /* request.signature_of's interned signatures: its key, then the function itself */
+        key = PyTuple_Pack(8, s_allreduce, dtype, shape, op, no_root, prescale, postscale,
+                           (PyObject *)Py_TYPE(tensor));
+        if (key == NULL)
+            goto done;
+        signature = PyDict_GetItemWithError(self->signatures, key);
+        if (signature != NULL)
+            Py_INCREF(signature);
+        else if (PyErr_Occurred() ||
+                 (signature = PyObject_CallFunctionObjArgs(self->signature_of, s_allreduce,
+                                                           tensor, op, no_root, prescale,
+                                                           postscale, NULL)) == NULL)
+            goto done;
+        store(slot, dtype, shape, Py_TYPE(tensor), op_value, pre, post, signature);
+    }
     req = make_request(name, tensor, signature, ps_id, in_place ? tensor : Py_None, Py_None);
     if (req != NULL)
         result = push(self, req);
@@ -375,26 +477,21 @@ done:
     return result;
 }
 
-static PyObject *lane_synchronize(Lane *self, PyObject *handle) {
+static PyObject *lane_wait(Lane *self, PyObject *handle) {
     PyObject *found = PyDict_GetItemWithError(self->handles, handle);
     if (found != NULL && Py_TYPE(found) == &RequestType) {
         Request *req = (Request *)found;
         if (req->done && (req->error == NULL || req->error == Py_None)) {
-            PyObject *result = Py_NewRef(req->result != NULL ? req->result : Py_None);
+            Py_INCREF(found);
             if (PyDict_DelItem(self->handles, handle) < 0)
-                Py_CLEAR(result);
-            return result;
+                Py_CLEAR(found);
+            return found;
         }
     } else if (PyErr_Occurred()) {
         return NULL;
     }
-    /* not done yet, failed, or unknown: Engine.wait runs the cycles and raises */
-    PyObject *req = PyObject_CallMethodOneArg(self->engine, s_wait, handle);
-    if (req == NULL)
-        return NULL;
-    PyObject *result = PyObject_GetAttr(req, s_result);
-    Py_DECREF(req);
-    return result;
+    /* not done yet, failed, or unknown: the engine's own wait runs the cycles and raises */
+    return PyObject_CallFunctionObjArgs(self->wait, self->engine, handle, NULL);
 }
 
 /* The signature's kind of a request (borrowed), or NULL. */
@@ -572,9 +669,9 @@ static PyMethodDef lane_methods[] = {
      "Submit the allreduce of a C-contiguous numpy array (writable when in place) under "
      "``name``; None when it needs the Python path (another type, no name, a scale that is "
      "not a float, an unregistered process set)."},
-    {"synchronize", (PyCFunction)lane_synchronize, METH_O,
-     "synchronize(handle) -> result\n\nThe result of a completed request (the handle is then "
-     "forgotten); otherwise what Engine.wait(handle).result gives or raises."},
+    {"wait", (PyCFunction)lane_wait, METH_O,
+     "wait(handle) -> Request\n\nEngine.wait: a completed request (its handle is then "
+     "forgotten); otherwise what the engine class's own wait gives or raises."},
     {"admit", (PyCFunction)(void (*)(void))lane_admit, METH_FASTCALL,
      "admit(queue, sets, now) -> list\n\nMove the queued requests into the pending dict of "
      "their process set (``sets[id].pending``), stamping ``submitted_at``; returns the ones "
@@ -618,7 +715,6 @@ int hh_lane_register(PyObject *module) {
         {&s_on_sleeping_engine, "_on_sleeping_engine"},
         {&s_fail_leftovers, "_fail_leftovers"},
         {&s_wait, "wait"},
-        {&s_result, "result"},
         {&s_allreduce, "allreduce"},
         {&s_flags, "flags"},
         {&s_c_contiguous, "c_contiguous"},

@@ -217,13 +217,13 @@ class Engine:
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
-        #: the per-tensor path in C: :meth:`submit`, and the ops' fast allreduce and
-        #: synchronize (``ops``); None without the native extension
+        #: the per-tensor path in C: :meth:`submit`, :meth:`wait` and the ops' allreduce
+        #: submissions (``ops.native_allreduce``); None without the native extension
         self.lane = None
         self._cache_bits, self._complete_group = _cache_bits, self._forget_done
         if Lane is not None:
             self.lane = Lane(self, self._queue, _SIGNATURES, signature_of, np.ndarray)
-            self.submit = self.lane.push
+            self.submit, self.wait = self.lane.push, self.lane.wait
             self._cache_bits, self._complete_group = self.lane.cache_bits, self.lane.complete
 
     # -- caller side ----------------------------------------------------------------------------

@@ -78,15 +78,25 @@ def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
     return Request(name, array, sig, ps_id, output)
 
 
+def native_allreduce(array, name, op, average, prescale_factor, postscale_factor, process_set,
+                     in_place: bool) -> int | None:
+    """Submit through the native per-tensor path (``Engine.lane``) where it applies: a named
+    C-contiguous numpy array, float scales, no ``average=``. None: build the request in Python,
+    which also raises the errors."""
+    lane = basics.lane
+    if lane is None or average is not None:
+        return None
+    return lane.allreduce(array, name, op, prescale_factor, postscale_factor, process_set,
+                          in_place)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start an allreduce; returns a handle for ``poll``/``synchronize``. Default op: Average."""
-    lane = basics.lane
-    if lane is not None and average is None:  # the native per-tensor path, where it applies
-        handle = lane.allreduce(tensor, name, op, prescale_factor, postscale_factor,
-                                process_set, False)
-        if handle is not None:
-            return handle
+    handle = native_allreduce(tensor, name, op, average, prescale_factor, postscale_factor,
+                              process_set, False)
+    if handle is not None:
+        return handle
     if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous:
         tensor = _array(tensor, "allreduce")
     return submit_one(allreduce_request(
@@ -104,12 +114,10 @@ def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def allreduce_async_(tensor: np.ndarray, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place allreduce of a writable C-contiguous array."""
-    lane = basics.lane
-    if lane is not None and average is None:
-        handle = lane.allreduce(tensor, name, op, prescale_factor, postscale_factor,
-                                process_set, True)
-        if handle is not None:
-            return handle
+    handle = native_allreduce(tensor, name, op, average, prescale_factor, postscale_factor,
+                              process_set, True)
+    if handle is not None:
+        return handle
     if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous or \
             not tensor.flags.writeable:
         raise ValueError("in-place allreduce needs a writable C-contiguous numpy array")
@@ -321,9 +329,6 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int):
     """Wait for ``handle`` and return its output; raise ``HorovodInternalError`` on failure."""
-    lane = basics.lane
-    if lane is not None:
-        return lane.synchronize(handle)
     return basics.engine().wait(handle).result
 
 

@@ -94,10 +94,14 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    req = ops.allreduce_request(engine_array(tensor, "allreduce"), name=name, op=op,
-                                average=average, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set)
-    return _register([_submit_one(req)], _result_on(tensor))
+    array = engine_array(tensor, "allreduce")
+    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
+                                  process_set, False)
+    if handle is None:
+        handle = _submit_one(ops.allreduce_request(
+            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set))
+    return _register([handle], _result_on(tensor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -105,11 +109,13 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    req = ops.allreduce_request(array, name=name, op=op, average=average,
-                                prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set,
-                                output=array)
-    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
+    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
+                                  process_set, True)
+    if handle is None:
+        handle = _submit_one(ops.allreduce_request(
+            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set, output=array))
+    return _register([handle], lambda results: write_back(results[0], tensor, array))
 
 
 @synchronous

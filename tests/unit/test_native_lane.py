@@ -120,9 +120,27 @@ def test_allreduce_builds_the_request_the_python_path_builds(lane_engine, in_pla
     assert req.signature is signature_of("allreduce", x, Average, -1, 1.0, 1.0)
     assert req.handle == handle and req.key == (0, "g") and req.tensor is x
     assert req.output is (x if in_place else None)
-    result = lane_engine.lane.synchronize(handle)  # not done yet: Engine.wait runs the cycle
+    result = lane_engine.lane.wait(handle).result  # not done yet: Engine.wait runs the cycle
     np.testing.assert_array_equal(result, np.arange(6).reshape(2, 3))
     assert (result is x) == in_place and handle not in lane_engine._handles
+
+
+def test_remembered_signatures_are_signature_ofs(lane_engine):
+    """The lane remembers the signatures it was given: every combination of dtype, shape, op
+    and scales must still get its own, the one ``signature_of`` interns."""
+    lane, ps = lane_engine.lane, global_process_set
+    combos = [(dtype, shape, op, pre, post)
+              for dtype in (np.float32, np.float64, np.int32)
+              for shape in ((4,), (2, 2), (4, 1), (5,))
+              for op in (None, Sum, 3)
+              for pre, post in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.5), (-0.0, 1.0), (0.0, 1.0))]
+    for rep in range(2):  # the second time, from memory
+        for i, (dtype, shape, op, pre, post) in enumerate(combos):
+            x = np.ones(shape, dtype)
+            handle = lane.allreduce(x, f"{rep}.{i}", op, pre, post, ps, False)
+            expected = signature_of("allreduce", x, Average if op is None else op, -1, pre, post)
+            assert lane_engine.request(handle).signature is expected, (rep, dtype, shape, op)
+    assert lane.allreduce(np.ones(2), "huge op", 10**30, 1.0, 1.0, ps, False) is None
 
 
 def test_allreduce_leaves_the_uncommon_cases_to_python(lane_engine):
@@ -151,15 +169,20 @@ def test_allreduce_raises_what_signature_of_raises(lane_engine):
     assert not lane_engine._inflight
 
 
-def test_synchronize_raises_a_failed_requests_error_and_unknown_handles(lane_engine):
+def test_wait_returns_done_requests_and_raises_errors_and_unknown_handles(lane_engine):
     lane = lane_engine.lane
     handle = lane.allreduce(np.ones(2), "f", Sum, 1.0, 1.0, global_process_set, False)
     req = lane_engine.request(handle)
     req.error, req.done = HorovodInternalError("it broke"), True
     with pytest.raises(HorovodInternalError, match="it broke"):
-        lane.synchronize(handle)
+        lane.wait(handle)
     with pytest.raises(ValueError, match="was not created or has been cleared"):
-        lane.synchronize(handle)
+        lane.wait(handle)
+    done = lane_engine.request(lane.allreduce(np.ones(2), "d", Sum, 1.0, 1.0,
+                                              global_process_set, False))
+    done.result, done.done = "the result", True
+    assert lane.wait(done.handle) is done and done.handle not in lane_engine._handles
+    assert lane_engine.wait is not engine_mod.Engine.wait  # the engine's wait is the lane's
 
 
 def test_cache_bits_agrees_with_the_python_twin():

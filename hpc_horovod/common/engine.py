@@ -70,6 +70,9 @@ log = logging.getLogger("hpc_horovod")
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
 #: the longest an idle engine waits between cycles (see Engine._run)
 IDLE_MAX_S = 0.05
+#: how often a caller blocked in ``wait`` behind another thread's cycle looks whether that
+#: cycle completed its request
+WAIT_POLL_S = 0.001
 _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
               "another tensor that is currently being processed.  If you want to request "
               "another tensor, use a different tensor name. [{}]")
@@ -202,7 +205,7 @@ class Engine:
         self._callers = 0
         self._local = threading.local()  # .depth: this thread is inside synchronous ops
         self._synchronous = _Synchronous(self)
-        self._done = threading.Condition()
+        self._done = threading.Condition()  # notified when a stopping engine fails requests
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
         # collectives and must run one at a time, in the same order on every rank.
         self._cycle_lock = threading.Lock()
@@ -355,24 +358,22 @@ class Engine:
     def _run_cycles_until(self, req: Request) -> None:
         lock = self._cycle_lock
         while not req.done:
-            if not self._stopped and lock.acquire(blocking=False):
+            # A blocking acquire, which lets go of the GIL: the lock may be on its way to a
+            # thread that holds it already but waits for the GIL to go on (it is then held,
+            # yet not ``locked()``). Polling for it without letting go of the GIL starved that
+            # thread until the interpreter's switch interval, 5 ms (3-6 ms stalls in most
+            # steps of 200 asynchronous allreduces). The timeout: a cycle of another thread
+            # may complete ``req`` long before it ends.
+            if not self._stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self._stopped:
                         self._guarded_cycle()
                 finally:
                     lock.release()
-                    self._released()
-            else:  # another thread is in a cycle (or the engine stops): let it finish
+            elif self._stopped:  # every request is being completed with the engine's error
                 with self._done:
-                    if not req.done and (lock.locked() or self._stopped):
+                    if not req.done:
                         self._done.wait(1.0)
-
-    def _released(self) -> None:
-        """The cycle lock was just released: wake the callers that found it held. (Checked
-        under ``_done`` with the lock's state, so no wake-up is lost: nobody else runs the
-        next cycle for them while they wait.)"""
-        with self._done:
-            self._done.notify_all()
 
     def shutdown(self, reason: str | None = None) -> None:
         """Stop on every rank: peers learn ``reason`` (None for a normal exit)."""
@@ -429,7 +430,6 @@ class Engine:
                 if ran:
                     self._worked = False
                     self._guarded_cycle()
-            self._released()
             if stopped:
                 break
             if not ran:
@@ -557,8 +557,6 @@ class Engine:
             self._execute(ps, plan, reqs, bool(and_all & FLAG_WRITES_BACK))
         if all_joined:
             self._finish_join(ps)
-        with self._done:
-            self._done.notify_all()
         return stop
 
     def _full_negotiation(self, ps, or_all, shutdown_reason, names, sigs, reqs) -> bool:
@@ -690,8 +688,6 @@ class Engine:
                 if req is not None:
                     tl.op_end(req.name)
             self._complete_group(group)
-        with self._done:
-            self._done.notify_all()
 
     @staticmethod
     def _on_device_stream(backend, group, fn):

@@ -339,7 +339,9 @@ class Engine:
         sleeping in turn: two thread switches (each about 20 us here, more on a shared core)
         are most of the latency of a small synchronous allreduce. Meanwhile the engine thread
         leaves the cycles to it (see _loop): a timer cycle of its own would only make the
-        caller wait for the lock.
+        caller wait for the lock. With the native extension ``Lane.wait`` takes this
+        method's place on the instance: it hands back completed requests itself and calls
+        this method for the others.
         """
         req = self._handles.get(handle)
         if req is None:

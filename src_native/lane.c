@@ -5,14 +5,14 @@
  * tensor, as long as the whole allreduce of a 16 KiB gradient. Here:
  *
  *   Request    what hpc_horovod.common.request.Request is in Python, with the same fields
- *   Lane(engine, queue, signatures, signature_of, ndarray)
+ *   Lane(engine, signatures, signature_of, ndarray)
  *     .push(request) -> handle           Engine.submit: claim the name, queue, wake the engine
  *     .allreduce(tensor, name, op, prescale, postscale, process_set, in_place) -> handle | None
  *                                        allreduce_async(_) of a C-contiguous numpy array with
  *                                        a name; None where the Python path must decide
  *     .wait(handle) -> request           Engine.wait: a completed request, or what the Python
  *                                        method gives (it runs the cycles)
- *     .admit(queue, sets, now) -> list   the engine's admission of its queue into the process
+ *     .admit(now) -> list                the engine's admission of its queue into the process
  *                                        sets' pending dicts; returns what Python must admit
  *     .cache_bits(pending, entries) -> (bits, uncached, writes_back)
  *                                        the response cache's bits of the pending requests
@@ -154,14 +154,14 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     PyObject *engine, *state; /* the engine and its __dict__ (its flags are read there) */
-    PyObject *inflight, *handles, *members, *counter, *append;
+    PyObject *inflight, *handles, *members, *sets, *queue, *counter, *append;
     PyObject *signatures, *signature_of, *ndarray, *wait;
     remembered *remembered; /* REMEMBERED slots, direct-mapped */
 } Lane;
 
 #define LANE_FIELDS(X)                                                                           \
-    X(engine) X(state) X(inflight) X(handles) X(members) X(counter) X(append) X(signatures)      \
-    X(signature_of) X(ndarray) X(wait)
+    X(engine) X(state) X(inflight) X(handles) X(members) X(sets) X(queue) X(counter) X(append)   \
+    X(signatures) X(signature_of) X(ndarray) X(wait)
 
 static PyObject *s_closed, *s_sleeping, *s_stopped, *s_raise_if_stopped, *s_claim,
     *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_allreduce, *s_flags,
@@ -213,11 +213,10 @@ static PyObject *engine_attribute(PyObject *state, PyObject *name) {
 }
 
 static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"engine", "queue", "signatures", "signature_of", "ndarray", NULL};
-    PyObject *engine, *queue, *signatures, *signature_of, *ndarray;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!OO!:Lane", kwlist, &engine, &queue,
-                                     &PyDict_Type, &signatures, &signature_of, &PyType_Type,
-                                     &ndarray))
+    static char *kwlist[] = {"engine", "signatures", "signature_of", "ndarray", NULL};
+    PyObject *engine, *signatures, *signature_of, *ndarray;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OO!:Lane", kwlist, &engine, &PyDict_Type,
+                                     &signatures, &signature_of, &PyType_Type, &ndarray))
         return NULL;
     Lane *self = (Lane *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -233,22 +232,20 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if ((self->state = PyObject_GetAttr(engine, s_dict)) == NULL || !PyDict_Check(self->state))
         goto fail;
     /* The containers are created once with the engine and never replaced. */
-    static const char *names[] = {"_inflight", "_handles", "_members"};
-    PyObject **fields[] = {&self->inflight, &self->handles, &self->members};
-    for (int i = 0; i < 3; i++) {
+    static const char *names[] = {"_inflight", "_handles", "_members", "_sets", "_queue",
+                                  "_handle_counter"};
+    PyObject **fields[] = {&self->inflight, &self->handles, &self->members, &self->sets,
+                           &self->queue, &self->counter};
+    for (int i = 0; i < 6; i++) {
         PyObject *value = PyDict_GetItemString(self->state, names[i]);
-        if (value == NULL || !PyDict_CheckExact(value)) {
-            PyErr_Format(PyExc_TypeError, "Lane: the engine's %s must be a dict", names[i]);
+        if (value == NULL || (i < 4 && !PyDict_CheckExact(value))) {
+            PyErr_Format(PyExc_TypeError, "Lane: the engine has no %s%s", i < 4 ? "dict " : "",
+                         names[i]);
             goto fail;
         }
         *fields[i] = Py_NewRef(value);
     }
-    if ((self->counter = PyDict_GetItemString(self->state, "_handle_counter")) == NULL) {
-        PyErr_SetString(PyExc_TypeError, "Lane: the engine has no _handle_counter");
-        goto fail;
-    }
-    Py_INCREF(self->counter);
-    if ((self->append = PyObject_GetAttrString(queue, "append")) == NULL)
+    if ((self->append = PyObject_GetAttrString(self->queue, "append")) == NULL)
         goto fail;
     /* the class's function: the instance's `wait` may be this lane's */
     if ((self->wait = PyObject_GetAttr((PyObject *)Py_TYPE(engine), s_wait)) == NULL)
@@ -501,12 +498,8 @@ static PyObject *kind_of(Request *req) {
                                                                            : NULL;
 }
 
-static PyObject *lane_admit(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "Lane.admit(queue, sets: dict, now)");
-        return NULL;
-    }
-    PyObject *queue = args[0], *sets = args[1], *now = args[2];
+static PyObject *lane_admit(Lane *self, PyObject *now) {
+    PyObject *queue = self->queue, *sets = self->sets;
     PyObject *leftovers = PyList_New(0), *iterator = NULL, *item = NULL;
     PyObject *last_set = NULL, *pending = NULL; /* the set of the previous request, its dict */
     if (leftovers == NULL || (iterator = PyObject_GetIter(queue)) == NULL)
@@ -672,10 +665,10 @@ static PyMethodDef lane_methods[] = {
     {"wait", (PyCFunction)lane_wait, METH_O,
      "wait(handle) -> Request\n\nEngine.wait: a completed request (its handle is then "
      "forgotten); otherwise what the engine class's own wait gives or raises."},
-    {"admit", (PyCFunction)(void (*)(void))lane_admit, METH_FASTCALL,
-     "admit(queue, sets, now) -> list\n\nMove the queued requests into the pending dict of "
-     "their process set (``sets[id].pending``), stamping ``submitted_at``; returns the ones "
-     "the engine must admit itself (joins, sets this rank is not in), in queue order."},
+    {"admit", (PyCFunction)lane_admit, METH_O,
+     "admit(now) -> list\n\nMove the engine's queued requests into the pending dict of their "
+     "process set (``_sets[id].pending``), stamping ``submitted_at`` with ``now``; returns the "
+     "ones the engine must admit itself (joins, sets this rank is not in), in queue order."},
     {"cache_bits", (PyCFunction)(void (*)(void))lane_cache_bits, METH_FASTCALL,
      "cache_bits(pending, entries) -> (bits, uncached, writes_back)\n\nThe response cache's "
      "bits of the pending requests whose name and signature it holds (``entries``: name -> "
@@ -690,7 +683,7 @@ static PyMethodDef lane_methods[] = {
 static PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "hpc_horovod._native.Lane",
-    .tp_doc = "Lane(engine, queue, signatures, signature_of, ndarray)\n\n"
+    .tp_doc = "Lane(engine, signatures, signature_of, ndarray)\n\n"
               "The per-tensor path of submissions into ``engine``, which keeps every rule: "
               "errors and uncommon cases call back into it.",
     .tp_basicsize = sizeof(Lane),

@@ -225,7 +225,7 @@ class Engine:
         self.lane = None
         self._cache_bits, self._complete_group = _cache_bits, self._forget_done
         if Lane is not None:
-            self.lane = Lane(self, self._queue, _SIGNATURES, signature_of, np.ndarray)
+            self.lane = Lane(self, _SIGNATURES, signature_of, np.ndarray)
             self.submit, self.wait = self.lane.push, self.lane.wait
             self._cache_bits, self._complete_group = self.lane.cache_bits, self.lane.complete
 
@@ -471,10 +471,9 @@ class Engine:
         reason = self._shutdown_reason
         queue, sets, tl = self._queue, self._sets, self.timeline
         now = time.monotonic()
-        if self.lane is not None and tl is None:
-            if queue:
-                for req in self.lane.admit(queue, sets, now):
-                    self._admit(req)
+        if queue and self.lane is not None and tl is None:
+            for req in self.lane.admit(now):
+                self._admit(req)
         while queue:  # what the lane did not take (a timeline records every admission)
             req = queue.popleft()
             req.submitted_at = now
@@ -683,13 +682,11 @@ class Engine:
                 if req is not None:
                     self._complete(req, error=error)
             raise error from exc
-        if tl is None:
-            self._complete_group(group)
-        else:
+        if tl is not None:
             for req in group:
                 if req is not None:
                     tl.op_end(req.name)
-            self._complete_group(group)
+        self._complete_group(group)
 
     @staticmethod
     def _on_device_stream(backend, group, fn):

@@ -214,7 +214,7 @@ def test_admit_moves_the_queue_into_the_sets_and_leaves_joins_and_strangers(lane
             request_mod.Request("join", None, request_mod.control_signature("join")),
             allreduce("c", x)]
     queue.extend(reqs)
-    left = lane_engine.lane.admit(queue, lane_engine._sets, 12.5)
+    left = lane_engine.lane.admit(12.5)
     assert left == [reqs[1], reqs[2]] and not queue
     assert list(ps0.pending) == ["a", "c"] and ps0.pending["c"] is reqs[3]
     assert [r.submitted_at for r in reqs] == [12.5] * 4

@@ -273,8 +273,8 @@ class Contenders:
 
         def without(run, **attributes):
             # the same op with parts of the node's shared memory off: fusion_capacity=None is
-            # what HOROVOD_SHM_DISABLE=1 gives (MPI only); reduces_through_peers=False leaves
-            # the shared window without the sums through the peers' memory
+            # what HOROVOD_SHM_DISABLE=1 gives (MPI only); sums_in_window=False sends the group
+            # through the peers' memory instead of the window's native sums
             def run_without():
                 saved = {name: getattr(backend, name) for name in attributes}
                 for name, value in attributes.items():
@@ -293,9 +293,9 @@ class Contenders:
                 ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
         }
         in_place = cases["hvd numpy in-place"][0]
-        if getattr(backend, "reduces_through_peers", None) is not None:
-            cases["hvd numpy in-place, shared window only"] = (
-                without(in_place, reduces_through_peers=lambda dtype: False), refill)
+        if getattr(backend, "sums_in_window", None) is not None:
+            cases["hvd numpy in-place, peers' memory instead of the window"] = (
+                without(in_place, sums_in_window=lambda dtype: False), refill)
         if getattr(backend, "fusion_capacity", None):
             cases["hvd numpy in-place, no shared memory"] = (
                 without(in_place, fusion_capacity=None), refill)
@@ -395,14 +395,15 @@ def half_paths(timer: Timer, comm: MPI.Comm, nbytes: int) -> list:
 
     def widened():
         # the package without src_native: fusion.wire_dtype sees no _native and widens, and
-        # no group is summed through the peers' memory (that kernel is native too)
+        # no group is summed through the window or the peers' memory (native kernels too)
         backend = basics._require().engine.backend
-        saved = fusion._native, backend.reduces_through_peers
-        fusion._native, backend.reduces_through_peers = None, lambda dtype: False
+        saved = fusion._native, backend.reduces_through_peers, backend.sums_in_window
+        fusion._native = None
+        backend.reduces_through_peers = backend.sums_in_window = lambda dtype: False
         try:
             return hvd.allreduce(x, op=hvd.Sum, name="half.widened")
         finally:
-            fusion._native, backend.reduces_through_peers = saved
+            fusion._native, backend.reduces_through_peers, backend.sums_in_window = saved
 
     cases["hvd.allreduce, widened to float32 (no _native)"] = (widened, None)
 

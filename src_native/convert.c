@@ -30,7 +30,7 @@ int hh_convert_supported(hh_kind src, hh_kind dst, int scaled) {
     return 1;
 }
 
-static size_t item_size(hh_kind kind, size_t raw_itemsize) {
+size_t hh_kind_size(hh_kind kind, size_t raw_itemsize) {
     switch (kind) {
     case HH_F16:
     case HH_BF16: return 2;
@@ -69,7 +69,7 @@ void hh_convert(hh_kind sk, const void *src, hh_kind dk, void *dst, size_t n, si
     int scaled = factor != 1.0;
     if (sk == dk && !scaled) {
         if (src != dst)
-            memmove(dst, src, n * item_size(sk, itemsize));
+            memmove(dst, src, n * hh_kind_size(sk, itemsize));
         return;
     }
     if (sk == HH_F64) {

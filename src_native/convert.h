@@ -9,6 +9,9 @@ typedef enum { HH_RAW, HH_F16, HH_BF16, HH_F32, HH_F64 } hh_kind;
 /* Name of a kind, for error messages. */
 const char *hh_kind_name(hh_kind kind);
 
+/* Bytes of one element of `kind`; `raw_itemsize` for HH_RAW. */
+size_t hh_kind_size(hh_kind kind, size_t raw_itemsize);
+
 /* 1 when hh_convert can copy `src` elements into `dst` elements (scaled or not). RAW copies only
  * to the same format unscaled, float64 only to float64; float16/bfloat16/float32 mix freely. */
 int hh_convert_supported(hh_kind src, hh_kind dst, int scaled);

@@ -12,6 +12,8 @@
  *   peer_table(inputs, outputs, table),
  *   peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch)
  *                               a fused allreduce through the peers' own memory (peer.h)
+ *   window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s)
+ *                               a fused allreduce through the node's shared window (window.h)
  *   Request, Lane               the per-tensor path of submissions (lane.h)
  *
  * Only the CPython C API and the buffer protocol are used. bfloat16 arrays (ml_dtypes) export no
@@ -25,6 +27,7 @@
 #include "mpi_ops.h"
 #include "lane.h"
 #include "peer.h"
+#include "window.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
  * get it back (up to the 5 ms switch interval when that thread is busy). */
@@ -596,6 +599,84 @@ static PyObject *py_peer_chunk(PyObject *self, PyObject *unused) {
     return PyLong_FromSize_t(HH_PEER_CHUNK);
 }
 
+/* ---- reduction through the shared window (window.h) --------------------------------------- */
+
+PyDoc_STRVAR(window_reduce_doc,
+"window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s) -> None\n\n"
+"A Sum over the ``size`` ranks of one node of the group that ``table`` (a peer_table of this\n"
+"rank's inputs and outputs) describes, through ``slot``: ``size`` segments then the result, of\n"
+"len(slot) / (size + 1) bytes each, in memory every rank maps. ``flags``: the ranks' int64\n"
+"arrival counters, 8 apart, also shared and zero at first. Every rank calls it with its own\n"
+"table; outputs[i] = factor x (sum over ranks of inputs[i]), in rank order (float16/bfloat16\n"
+"in float32, rounded once). Raises TimeoutError naming the ranks that did not arrive within\n"
+"``timeout_s`` (0: no limit); a signal's exception stops the wait.");
+
+/* While a window reduction waits for a peer: run the signal handlers (KeyboardInterrupt). */
+static int window_interrupted(void *context) {
+    PyThreadState **saved = context;
+    PyEval_RestoreThread(*saved);
+    int raised = PyErr_CheckSignals() != 0;
+    *saved = PyEval_SaveThread();
+    return raised;
+}
+
+static PyObject *py_window_reduce(PyObject *self, PyObject *args) {
+    Py_buffer table, slot, flags;
+    int rank, size;
+    const char *dtype;
+    double factor, timeout_s;
+    if (!PyArg_ParseTuple(args, "y*w*w*iisdd:window_reduce", &table, &slot, &flags, &rank, &size,
+                          &dtype, &factor, &timeout_s))
+        return NULL;
+    PyObject *result = NULL;
+    hh_kind kind = strcmp(dtype, "float32") == 0   ? HH_F32
+                   : strcmp(dtype, "float64") == 0 ? HH_F64
+                   : strcmp(dtype, "float16") == 0 ? HH_F16
+                   : strcmp(dtype, "bfloat16") == 0 ? HH_BF16
+                                                    : HH_RAW;
+    if (kind == HH_RAW) {
+        PyErr_Format(PyExc_TypeError, "window_reduce: no sum of %s (float16, bfloat16, float32 "
+                     "or float64)", dtype);
+        goto done;
+    }
+    size_t row_bytes = 3 * sizeof(uint64_t);
+    if (size < 1 || rank < 0 || rank >= size || table.len % (Py_ssize_t)row_bytes != 0
+        || slot.len % (size + 1) != 0
+        || flags.len < (Py_ssize_t)(size * HH_WINDOW_FLAG_STRIDE * sizeof(int64_t))
+        || ((uintptr_t)flags.buf % sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_ValueError, "window_reduce: rank %d of %d, a table of %zd bytes, a "
+                     "slot of %zd bytes, %zd bytes of flags", rank, size, table.len, slot.len,
+                     flags.len);
+        goto done;
+    }
+    hh_window_job job = {size, rank, table.buf, (size_t)table.len / row_bytes, slot.buf,
+                         (size_t)slot.len / (size_t)(size + 1), flags.buf, kind, factor,
+                         timeout_s, window_interrupted, NULL};
+    size_t total = 0;
+    for (size_t i = 0; i < job.count; i++)
+        total += (size_t)job.table[i * 3 + 2];
+    if (total > job.capacity) {
+        PyErr_Format(PyExc_ValueError, "window_reduce: a group of %zu bytes is more than the %zu "
+                     "bytes of a segment", total, job.capacity);
+        goto done;
+    }
+    char error[512];
+    int status;
+    PyThreadState *saved = PyEval_SaveThread();
+    job.context = &saved;
+    status = hh_window_reduce(&job, error, sizeof error);
+    PyEval_RestoreThread(saved);
+    if (status == -1)
+        PyErr_Format(PyExc_TimeoutError, "window_reduce: %s", error);
+    else if (status == 0)
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&slot);
+    PyBuffer_Release(&flags);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"has_half_sum", py_has_half_sum, METH_NOARGS, has_half_sum_doc},
     {"half_sum_op", py_half_sum_op, METH_O, half_sum_op_doc},
@@ -616,6 +697,7 @@ static PyMethodDef methods[] = {
     {"peer_reduce", py_peer_reduce, METH_VARARGS, peer_reduce_doc},
     {"peer_chunk", py_peer_chunk, METH_NOARGS,
      "peer_chunk() -> int\n\nBytes of scratch peer_reduce needs per peer."},
+    {"window_reduce", py_window_reduce, METH_VARARGS, window_reduce_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -50,10 +50,6 @@ int hh_peer_copy(long pid, uint64_t address, void *buf, size_t nbytes, int write
     return transfer(pid, &local, &remote, 1, write);
 }
 
-static size_t kind_size(hh_kind kind) {
-    return kind == HH_F64 ? 8 : kind == HH_F32 ? 4 : 2;
-}
-
 /* Two ranks of float32 or float64: one pass, which the compiler vectorizes (twice as fast as the
  * general loop below); `out` may be `a` or `b`. */
 static void sum_two_f32(const float *a, const float *b, float *out, size_t m, float factor) {
@@ -86,11 +82,9 @@ static const float *as_f32(hh_kind kind, const char *src, float *wide, size_t m)
     return wide;
 }
 
-/* out = factor * (srcs[0] + srcs[1] + ... + srcs[n-1]), `m` elements, summed in rank order in
- * float32 (float64 for float64) and rounded once; `out` may be one of the sources. */
-static void reduce_run(hh_kind kind, int n, const char *const *srcs, char *out, size_t m,
-                       double factor) {
-    size_t item = kind_size(kind);
+void hh_sum_ranks(hh_kind kind, int n, const char *const *srcs, char *out, size_t m,
+                  double factor) {
+    size_t item = hh_kind_size(kind, 0);
     if (n == 2 && kind == HH_F32) {
         sum_two_f32((const float *)srcs[0], (const float *)srcs[1], (float *)out, m,
                     (float)factor);
@@ -172,7 +166,7 @@ int hh_peer_reduce(const hh_peer_job *job, char *error, size_t error_size) {
             }
     if (job->hi <= job->lo)
         return 0;
-    const size_t item = kind_size(job->kind);
+    const size_t item = hh_kind_size(job->kind, 0);
     struct iovec *local = malloc(2 * (count ? count : 1) * sizeof(struct iovec));
     const char **srcs = malloc((size_t)n * sizeof(char *));
     if (local == NULL || srcs == NULL) {
@@ -213,7 +207,7 @@ int hh_peer_reduce(const hh_peer_job *job, char *error, size_t error_size) {
             for (int q = 0, slot = 0; q < n; q++)
                 srcs[q] = q == r ? (const char *)local[k].iov_base
                                  : job->scratch + (size_t)slot++ * HH_PEER_CHUNK + offset;
-            reduce_run(job->kind, n, srcs, remote[k].iov_base, local[k].iov_len / item,
+            hh_sum_ranks(job->kind, n, srcs, remote[k].iov_base, local[k].iov_len / item,
                        job->factor);
             offset += local[k].iov_len;
         }

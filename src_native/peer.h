@@ -39,6 +39,12 @@ int hh_peer_allow(void);
  * there otherwise. 0 or -1 (errno set). */
 int hh_peer_copy(long pid, uint64_t address, void *buf, size_t nbytes, int write);
 
+/* out = factor * (srcs[0] + srcs[1] + ... + srcs[n-1]), `m` elements of `kind` (HH_F16, HH_BF16,
+ * HH_F32 or HH_F64), summed in rank order in float32 (float64 for float64) and rounded once: every
+ * slice of a result is computed the same way whichever rank owns it. `out` may be a source. */
+void hh_sum_ranks(hh_kind kind, int n, const char *const *srcs, char *out, size_t m,
+                  double factor);
+
 /* Run `job`. 0, or -1 with a message in `error`. */
 int hh_peer_reduce(const hh_peer_job *job, char *error, size_t error_size);
 

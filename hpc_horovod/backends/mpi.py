@@ -2,11 +2,12 @@
 
 The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`).
 
-When every rank of the communicator is on one node, float sums are reduced through the ranks'
-own memory (:mod:`.peer`, :meth:`MpiBackend.reduce_through_peers`), and other fused groups go
-through a shared-memory window (:mod:`.shm`): the engine packs them straight into it
-(:meth:`MpiBackend.staging`) and reads results straight out of it. Both save the copies MPI
-would add.
+When every rank of the communicator is on one node, the ranks share a window of memory
+(:mod:`.shm`). Fused float sums go through it natively, each rank copying in and out only what
+the others sum (:meth:`MpiBackend.sum_in_window`); large float tensors are summed through the
+ranks' own memory (:mod:`.peer`, :meth:`MpiBackend.reduce_through_peers`); other fused groups
+are packed straight into the window (:meth:`MpiBackend.staging`) and read straight out of it.
+All of them save the copies MPI would add.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
-from .peer import DTYPES as PEER_DTYPES
+from .peer import DTYPES as NATIVE_SUM_DTYPES
 from .peer import PeerAllreduce
 from .shm import NodeAllreduce, capacity_for
 from .waiting import RequestWaiter
+
+try:
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
 
 _OPS = {Sum: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 _BOOL_OPS = {Min: MPI.LAND, Max: MPI.LOR}
@@ -50,8 +56,6 @@ def _half_sum(dtype: np.dtype, op: int) -> MPI.Op:
         raise ValueError(f"MPI has no {dtype} {OP_NAMES.get(op, op)}: reduce it in float32")
     mpi_op = _HALF_SUMS.get(dtype)
     if mpi_op is None:
-        from .. import _native
-
         mpi_op = _HALF_SUMS[dtype] = MPI.Op.fromhandle(_native.half_sum_op(dtype.name))
     return mpi_op
 
@@ -76,6 +80,7 @@ class MpiBackend:
         self._node: NodeAllreduce | None = None  # created on first use (collective)
         self._peer: PeerAllreduce | None = None  # likewise
         self._peer_refused = False
+        self._native_window = False  # every rank sums natively in the window
         self.shared_memory = shared_memory
         if shared_memory and self.size > 1:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -83,8 +88,11 @@ class MpiBackend:
             usable = (node.Get_size() == self.size
                       and NodeAllreduce.fits_on_node(capacity, self.size))
             node.Free()
-            if comm.allreduce(usable, op=MPI.LAND):  # /dev/shm may look different to a peer
+            # /dev/shm may look different to a peer, and a peer may lack the extension
+            answers = comm.allgather((usable, _native is not None))
+            if all(usable for usable, _ in answers):
                 self.fusion_capacity = capacity
+                self._native_window = all(native for _, native in answers)
 
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
@@ -116,16 +124,35 @@ class MpiBackend:
         :meth:`allreduce`."""
         if self.fusion_capacity is None or count * dtype.itemsize > self.fusion_capacity:
             return None
+        return self._window().stage(count, dtype)
+
+    def _window(self) -> NodeAllreduce:
         if self._node is None:  # every rank gets here at the same agreed allreduce
             self._node = NodeAllreduce(self.comm, self.fusion_capacity, self._waiter)
-        return self._node.stage(count, dtype)
+        return self._node
+
+    def sums_in_window(self, dtype: np.dtype) -> bool:
+        """Whether fused sums of ``dtype`` can go through :meth:`sum_in_window`: the ranks
+        share a window and every one of them has the native kernel for ``dtype``. Local, and
+        the same on every rank."""
+        return (self._native_window and self.fusion_capacity is not None
+                and dtype.name in NATIVE_SUM_DTYPES)
+
+    def sum_in_window(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
+                      dtype: np.dtype, factor: float) -> None:
+        """``outputs[i] = factor x sum of every rank's inputs[i]``, through the shared window
+        (:meth:`.shm.NodeAllreduce.reduce_arrays`), once :meth:`sums_in_window` said yes for
+        ``dtype``; the group fits ``fusion_capacity``. Waits for peers as long as a
+        negotiation would."""
+        self._window().reduce_arrays(inputs, outputs, dtype, factor, self._timeout_s)
 
     def reduces_through_peers(self, dtype: np.dtype) -> bool:
         """Whether fused sums of ``dtype`` go through the other ranks' memory
         (:meth:`reduce_through_peers`). The answer is the same on every rank: False with ranks
         on several nodes, shared memory off, a dtype the native kernel does not sum, or
         cross-memory attach refused. Collective the first time it can be True."""
-        if self.fusion_capacity is None or dtype.name not in PEER_DTYPES or self._peer_refused:
+        if (self.fusion_capacity is None or dtype.name not in NATIVE_SUM_DTYPES
+                or self._peer_refused):
             return False
         if self._peer is None:  # every rank gets here at the same agreed allreduce
             self._peer = PeerAllreduce.open(self.comm, self._waiter)

@@ -357,6 +357,13 @@ class NcclBackend:
     def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
         return self.mpi.reduce_staged(staged, op)
 
+    def sums_in_window(self, dtype: np.dtype) -> bool:
+        return self.mpi.sums_in_window(dtype)
+
+    def sum_in_window(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
+                      dtype: np.dtype, factor: float) -> None:
+        self.mpi.sum_in_window(inputs, outputs, dtype, factor)
+
     def reduces_through_peers(self, dtype: np.dtype) -> bool:
         return self.mpi.reduces_through_peers(dtype)
 

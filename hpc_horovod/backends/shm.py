@@ -1,19 +1,25 @@
 """Allreduce through memory shared by the ranks of one node.
 
 Inside a node, MPI's allreduce copies the buffer into shared memory, reduces it there and copies
-the result out, and the fusion buffer adds a copy of its own on each side. Here the fusion buffer
-*is* this rank's segment of an MPI shared-memory window and results are read straight from the
-shared result: a fused group costs the copies MPI would make anyway (pack into the window, each
-rank reducing 1/n of the buffer across every segment, unpack from the result) and nothing more.
+the result out, and the fusion buffer adds a copy of its own on each side. Here the ranks share
+one MPI window, two ways:
 
-Two barriers order the phases of one reduction: every segment written, then every slice
-reduced. They are polled non-blocking barriers with the engine's peer timeout, so a peer that
-died mid-group is reported instead of waited for. Two slots alternate, so a rank may fill the
-next buffer while a slower peer still reads the previous result: a slot is written again only
-after the next reduction's barriers, which no rank passes before every peer has finished
-reading it.
+* float sums, natively (:meth:`NodeAllreduce.reduce_arrays`, ``src_native/window.h``): each rank
+  copies into its segment only the bytes the other ranks own, sums its own 1/n of the group
+  straight from its tensors and the peers' segments into its outputs and the shared result,
+  then copies out of the result only what the others summed. Its own slice is never copied.
+* everything else (:meth:`NodeAllreduce.stage` and :meth:`NodeAllreduce.reduce`): the fusion
+  buffer *is* this rank's segment, each rank reduces 1/n of it across every segment with numpy,
+  and results are read straight from the shared result.
+
+Two arrivals order the phases of one reduction: every segment written, then every slice
+reduced. The native way counts them in the window (a counter per rank); the other polls
+non-blocking barriers. Both give up after the engine's peer timeout, so a peer that died
+mid-group is reported instead of waited for. Two slots alternate, so a rank may fill the next
+buffer while a slower peer still reads the previous result: a slot is written again only after
+the next reduction's first arrival, which no rank passes before every peer has finished reading
+it.
 """
-
 from __future__ import annotations
 
 import os
@@ -21,8 +27,14 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from ..common.errors import HorovodInternalError
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .waiting import RequestWaiter
+
+try:
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
 
 _UFUNCS = {Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 _BOOL_UFUNCS = {Min: np.logical_and, Max: np.logical_or}
@@ -59,10 +71,13 @@ class NodeAllreduce:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.capacity = capacity
         n = self.size
-        total = _SLOTS * (n + 1) * capacity
+        slots = _SLOTS * (n + 1) * capacity
+        total = slots + n * _ALIGN  # then the ranks' arrival counters, a cache line each
         self.win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=comm)
         memory, _ = self.win.Shared_query(0)
         mem = np.frombuffer(memory, dtype=np.uint8, count=total)
+        self._slots = [mem[s * (n + 1) * capacity:][:(n + 1) * capacity] for s in range(_SLOTS)]
+        self._flags = mem[slots:].view(np.int64)
         # slot s: segments of ranks 0..n-1, then the result
         self._segments = [[mem[(s * (n + 1) + q) * capacity:][:capacity] for q in range(n)]
                           for s in range(_SLOTS)]
@@ -72,6 +87,7 @@ class NodeAllreduce:
             self._segments[s][self.rank][:] = 0
             lo, hi = _slice_bounds(capacity, 1, n, self.rank)
             self._results[s][lo:hi] = 0
+        self._flags[self.rank * _ALIGN // 8] = 0
         self._slot = 0
         self._staged: np.ndarray | None = None
         self._sync(0.0, "creating the shared window")
@@ -124,6 +140,26 @@ class NodeAllreduce:
         result.flags.writeable = False
         return result
 
+    def reduce_arrays(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
+                      dtype: np.dtype, factor: float, timeout_s: float = 0.0) -> None:
+        """``outputs[i] = factor x (sum over ranks of inputs[i])`` for every i, natively
+        (float16, bfloat16, float32, float64; see ``src_native/window.h``): each rank copies
+        into the window only what the others sum, and out of it only what they summed. The
+        group must fit a segment; an output may be its input. Raises HorovodInternalError
+        naming the ranks that did not come within ``timeout_s`` (0: wait for ever)."""
+        table = np.empty((len(inputs), 3), dtype=np.uint64)
+        _native.peer_table(inputs, outputs, table)
+        slot = self._slot
+        self._slot = (slot + 1) % _SLOTS
+        try:
+            _native.window_reduce(table, self._slots[slot], self._flags, self.rank, self.size,
+                                  dtype.name, factor, timeout_s)
+        except TimeoutError as exc:
+            raise HorovodInternalError(
+                f"shared-memory allreduce of {len(inputs)} tensors of {dtype}: {exc}: a peer "
+                "process died or is blocked outside Python (raise HOROVOD_PEER_TIMEOUT_SECONDS "
+                "if a rank legitimately stops for longer)") from None
+
     def free(self) -> None:
         """Collective: release the window."""
         self.win.Unlock_all()
@@ -136,8 +172,7 @@ def _reduce_into(out: np.ndarray, inputs: list[np.ndarray], op: int) -> None:
     if out.dtype in HALF_DTYPES:
         if op != Sum:
             raise ValueError(f"no {out.dtype} {OP_NAMES.get(op, op)}: reduce it in float32")
-        from .. import _native  # the engine stages half floats only when the extension is built
-
+        # the engine stages half floats only when the extension is built
         _native.reduce_sum(inputs[0], inputs[1], out)
         for x in inputs[2:]:
             _native.reduce_sum(x, out)

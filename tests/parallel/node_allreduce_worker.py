@@ -1,7 +1,7 @@
 """Run on every rank by test_node_allreduce.py: the shared-memory allreduce
-(``backends/shm.py``) against the MPI backend's allreduce of the same inputs, then its life inside
-hpc_horovod (created on first use, released when the ranks agree to stop, created again by the
-next ``init``).
+(``backends/shm.py``), both ways (numpy on staged buffers, and the native sums of the ranks' own
+tensors), against MPI's allreduce of the same inputs, then its life inside hpc_horovod (created
+on first use, released when the ranks agree to stop, created again by the next ``init``).
 
 With 2 ranks every operation gives MPI's bits exactly (one reduction step, and ``a op b`` is
 commutative). With more ranks floating-point sums may round differently from MPI's order, so
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import time
 
@@ -176,6 +177,147 @@ def check_staging_under_skew(node: NodeAllreduce) -> None:
     node.reduce(staged, Sum)  # keep the ranks in step
 
 
+#: tensor sizes of native groups: empty ones, ones across the 64-byte slice bounds and the
+#: 64 KiB blocks, one that fills the segment
+GROUPS = [[4096] * 3, [7, 0, 5000, 1, 0], [1], [0, 0], [CAPACITY // 8], [3] * 300]
+
+
+def native_groups(dtype: np.dtype, seed: int):
+    rng = np.random.default_rng([seed, RANK])
+    for sizes in GROUPS:
+        if sum(sizes) * dtype.itemsize > CAPACITY:
+            sizes = [n // 2 for n in sizes]
+        yield sizes, [(rng.standard_normal(n) * 4).astype(dtype) for n in sizes]
+
+
+def check_native_sums_against_mpi(node: NodeAllreduce) -> None:
+    """reduce_arrays, in place and out of place, unscaled and scaled: with 2 ranks MPI's bits
+    (float16/bfloat16: the float32 sum rounded once, as the native MPI operation does), with
+    more within rounding of a float64 sum, and the same bits on every rank."""
+    if _native is None:
+        return
+    dtypes = map(np.dtype, [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+    for seed, dtype in enumerate(dtypes):
+        for sizes, xs in native_groups(dtype, seed):
+            for in_place, factor in ((True, 1.0), (False, 1.0), (True, 0.5)):
+                tensors = [x.copy() for x in xs]
+                outputs = tensors if in_place else [np.full_like(x, np.nan) for x in xs]
+                node.reduce_arrays(tensors, outputs, dtype, factor, timeout_s=30.0)
+                what = f"{dtype} x {sizes[:4]}, in place {in_place}, factor {factor}"
+                for x, got in zip(xs, outputs):
+                    everyone = COMM.allgather(x)
+                    if SIZE == 2 and factor == 1.0:
+                        want = (everyone[0].astype(np.float32) + everyone[1].astype(np.float32)
+                                if dtype.itemsize == 2 else everyone[0] + everyone[1])
+                        assert np.array_equal(got.view(np.uint8),
+                                              want.astype(dtype).view(np.uint8)), what
+                    else:
+                        exact = factor * sum(e.astype(np.float64) for e in everyone)
+                        scale = factor * sum(np.abs(e.astype(np.float64)) for e in everyone)
+                        eps = float(ml_dtypes.finfo(dtype).eps)
+                        bound = 2 * SIZE * eps * scale + 1e-30
+                        error = np.abs(got.astype(np.float64) - exact)
+                        assert np.all(error <= bound), f"{what}: off by {np.max(error - bound)}"
+                    same_on_every_rank(got, what)
+                if not in_place:
+                    assert all(np.array_equal(t, x) for t, x in zip(tensors, xs)), what
+    try:
+        big = [np.zeros(CAPACITY // 8, np.float32), np.zeros(CAPACITY // 8 + 1, np.float32)]
+        node.reduce_arrays(big, big, np.dtype(np.float32), 1.0)
+    except ValueError as exc:  # before anything is copied or waited for
+        assert "is more than the 65536 bytes of a segment" in str(exc), exc
+    else:
+        raise AssertionError("reduce_arrays took a group larger than a segment")
+
+
+def check_both_ways_under_skew(node: NodeAllreduce) -> None:
+    """Native sums and staged reductions alternating, 300 in a row, with ranks arriving at
+    random moments: a rank that runs ahead copies into the other slot, or starts the next
+    reduction, while a slow one still copies results out of the previous one."""
+    if _native is None:
+        return
+    rng = np.random.default_rng(RANK + 100)
+    f32 = np.dtype(np.float32)
+    for step in range(300):
+        n = COMM.bcast(int(rng.integers(1, CAPACITY // 16)))
+        if rng.random() < 0.3:
+            time.sleep(float(rng.uniform(0, 1e-3)))
+        if step % 3 == 2:
+            staged = node.stage(n, f32)
+            staged[...] = np.arange(n, dtype=np.float32) + step * (RANK + 1)
+            got = node.reduce(staged, Sum).copy()
+        else:
+            parts = [np.arange(n, dtype=np.float32) + step * (RANK + 1)]
+            parts.append(np.full(3, RANK, np.float32))
+            node.reduce_arrays(parts, parts, f32, 1.0, timeout_s=30.0)
+            assert np.all(parts[1] == SIZE * (SIZE - 1) / 2), f"step {step}: second tensor"
+            got = parts[0]
+        want = SIZE * np.arange(n, dtype=np.float32) + step * SIZE * (SIZE + 1) / 2
+        assert np.array_equal(got, want), f"step {step}: wrong result"
+
+
+def check_absent_peer_in_native_sum() -> None:
+    """Rank 0 waits for peers that come 1 s late: with a 0.3 s timeout it gets an error naming
+    the ranks that did not come instead of a hang. The latecomers then wait for rank 0, which
+    has gone, and their error names it. A signal's exception ends a wait without a limit."""
+    if _native is None:
+        return
+    comm = COMM.Dup()
+    node = NodeAllreduce(comm, CAPACITY)
+    tensors = [np.ones(1000, np.float32), np.ones(10, np.float32)]
+    f32 = np.dtype(np.float32)
+    if RANK == 0:
+        started = time.monotonic()
+        try:
+            node.reduce_arrays(tensors, tensors, f32, 1.0, timeout_s=0.3)
+        except hvd.HorovodInternalError as exc:
+            late = " ".join(str(q) for q in range(1, SIZE))
+            assert f"rank(s) {late} did not write their part of the group within" in str(exc)
+            assert "shared-memory allreduce of 2 tensors of float32" in str(exc), exc
+        else:
+            raise AssertionError("no error although the peers never came")
+        assert time.monotonic() - started < 5.0
+    else:
+        time.sleep(1.0)
+        try:
+            node.reduce_arrays(tensors, tensors, f32, 1.0, timeout_s=0.3)
+        except hvd.HorovodInternalError as exc:
+            assert "rank(s) 0 did not sum their slice of the group within" in str(exc), exc
+        else:
+            raise AssertionError("no error although rank 0 had gone")
+    comm.Barrier()
+    node.free()
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    node = NodeAllreduce(comm, CAPACITY)
+    if RANK == 0:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        started = time.monotonic()
+        try:
+            node.reduce_arrays(tensors, tensors, f32, 1.0, timeout_s=0.0)
+        except Interrupted:
+            assert time.monotonic() - started < 5.0
+        else:
+            raise AssertionError("the signal did not end the wait")
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(1.0)
+        try:
+            node.reduce_arrays(tensors, tensors, f32, 1.0, timeout_s=0.3)
+        except hvd.HorovodInternalError:
+            pass
+    comm.Barrier()
+    node.free()
+    comm.Free()
+
+
 def hvd_backend():
     return basics._require().engine.backend
 
@@ -198,19 +340,19 @@ def check_inside_hpc_horovod() -> None:
             hvd.synchronize(h)
         for i, g in enumerate(grads):
             assert np.allclose(g, i + (SIZE - 1) / 2), f"in-place average {i}"
-        # float sums of this size go through the peers' memory (peer_allreduce_worker.py)
-        assert (backend._peer is not None) == bool(backend.fusion_capacity), "peers unused"
+        # fused float sums go through the window, natively
+        assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
+        assert backend._peer is None, "fused sums do not need the peers' memory"
         counts = [np.full(1000 + i, RANK + i, np.int32) for i in range(50)]
         handles = [hvd.allreduce_async_(c, name=f"c{i}", op=hvd.Sum) for i, c in enumerate(counts)]
         for h in handles:
             hvd.synchronize(h)
         for i, c in enumerate(counts):
             assert np.all(c == SIZE * i + SIZE * (SIZE - 1) // 2), f"in-place int sum {i}"
-        # other in-place groups, through the window
-        assert (backend._node is not None) == bool(backend.fusion_capacity), "window unused"
         big = np.full(3 << 20, RANK + 1.0)  # alone, in place: through the peers' memory
         hvd.allreduce_(big, op=hvd.Sum)
         assert np.all(big == SIZE * (SIZE + 1) / 2)
+        assert (backend._peer is not None) == bool(backend.fusion_capacity), "peers unused"
         hvd.shutdown()
         assert hvd_or_none() is None
 
@@ -285,8 +427,11 @@ def main() -> None:
     check_against_mpi(node)
     check_half_sums(node)
     check_staging_under_skew(node)
+    check_native_sums_against_mpi(node)
+    check_both_ways_under_skew(node)
     node.free()
     check_absent_peer_is_reported()
+    check_absent_peer_in_native_sum()
     check_inside_hpc_horovod()
     check_ranks_that_differ_locally()
     check_process_set_window()

@@ -1,8 +1,9 @@
 """Run on every rank by test_peer_allreduce.py: sums through the other ranks' memory
-(``backends/peer.py``) between real MPI processes, against MPI's own Allreduce, then inside
-hpc_horovod (in place, out of place, averaged, mixed across ranks, with a joined rank, in a
-process set), a peer that does not come, and the fall back to the shared window when a kernel
-refuses cross-memory attach.
+(``backends/peer.py``) between real MPI processes, against MPI's own Allreduce, then the float
+sums inside hpc_horovod, fused ones through the shared window and large ones alone through the
+peers' memory (in place, out of place, averaged, mixed across ranks, with a joined rank, in a
+process set), a peer that does not come, and the fall back to MPI when a kernel refuses
+cross-memory attach.
 
 With 2 ranks a sum gives MPI's bits exactly (one addition, commutative). With more, the sums
 are compared within rounding, and every rank must hold the same bits.
@@ -100,7 +101,8 @@ def check_inside_hpc_horovod() -> None:
     for i, h in enumerate(handles):
         got = hvd.synchronize(h)
         assert got.shape == grads[i].shape and np.all(got == SIZE * i + SIZE * (SIZE - 1) / 2)
-    assert backend()._peer is not None, "the fused sum did not go through the peers"
+    assert backend()._node is not None, "the fused sum did not go through the window"
+    assert backend()._peer is None, "fused sums do not need the peers' memory"
     handles = [hvd.allreduce_async_(g, name=f"g{i}") for i, g in enumerate(grads)]
     for h, g in zip(handles, grads):
         assert hvd.synchronize(h) is g
@@ -112,11 +114,14 @@ def check_inside_hpc_horovod() -> None:
     for t, h in zip(shaped, handles):
         got = hvd.synchronize(h)
         assert got.shape == t.shape and np.all(got == SIZE * (SIZE + 1) / 4), "scaled"
-    # tensors alone in their group: 24 MiB in place, 2.4 MB out of place (fusion.peers_pay);
+    # tensors alone in their group: 24 MiB in place, 2.4 MB out of place (fusion.node_sum);
     # 4 MiB in place stays in MPI
     counts, real = [], backend().reduce_through_peers
     backend().reduce_through_peers = lambda inputs, *args: (counts.append(len(inputs)),
                                                             real(inputs, *args))
+    fused, real_window = [], backend().sum_in_window
+    backend().sum_in_window = lambda inputs, *args: (fused.append(len(inputs)),
+                                                     real_window(inputs, *args))
     big = np.full(3 << 20, RANK + 1.0)
     assert hvd.allreduce_(big, op=hvd.Sum) is big and np.all(big == SIZE * (SIZE + 1) / 2)
     got = hvd.allreduce(np.full((600, 500), RANK + 1.0), op=hvd.Average)
@@ -125,8 +130,12 @@ def check_inside_hpc_horovod() -> None:
     hvd.allreduce_(middle, op=hvd.Sum)
     assert np.all(middle == SIZE * (SIZE + 1) / 2), "solo in place through MPI"
     assert counts == [1, 1], f"tensors alone through the peers: {counts}"
-    del backend().reduce_through_peers
-    assert backend()._node is None, "float sums never need the shared window"
+    assert fused == [], f"tensors alone through the window: {fused}"
+    # fused groups from 5 MiB on go through the peers' memory
+    large = [np.full(225_000, RANK + 1.0, np.float32) for i in range(6)]  # one cycle
+    assert all(np.all(t == SIZE * (SIZE + 1) / 2) for t in hvd.grouped_allreduce(large, op=hvd.Sum))
+    assert counts == [1, 1, 6] and fused == [], f"peers {counts}, window {fused}"
+    del backend().reduce_through_peers, backend().sum_in_window
     # mixed across ranks: in place on some, out of place on others
     for step in range(3):
         tensors = [np.full(5000 + i, RANK + 1.0, np.float32) for i in range(8)]
@@ -152,7 +161,7 @@ def check_inside_hpc_horovod() -> None:
         for t, h in zip(tensors, handles):
             hvd.synchronize(h)
             assert np.all(t == 1.0 + SIZE), "process set sum"
-        assert basics._require().engine._sets[ps.process_set_id].backend._peer is not None
+        assert basics._require().engine._sets[ps.process_set_id].backend._node is not None
     hvd.remove_process_set(ps)
     hvd.shutdown()
 
@@ -174,16 +183,18 @@ class _Refusing:
         return self._native.peer_read(*args)
 
 
-def check_refusal_falls_back_to_the_window() -> None:
+def check_refusal_falls_back() -> None:
+    """Where one rank cannot reach the others' memory, every rank sums large tensors through
+    MPI, and large fused groups through the shared window."""
     real, peer._native = peer._native, _Refusing(peer._native)
     try:
         hvd.init()
-        grads = [np.full(1000 + i, RANK + 1.0, np.float32) for i in range(50)]
-        handles = [hvd.allreduce_async_(g, name=f"r{i}", op=hvd.Sum) for i, g in enumerate(grads)]
-        for g, h in zip(grads, handles):
-            hvd.synchronize(h)
-            assert np.all(g == SIZE * (SIZE + 1) / 2), "sum after the refusal"
+        big = np.full(3 << 20, RANK + 1.0)
+        assert hvd.allreduce_(big, op=hvd.Sum) is big and np.all(big == SIZE * (SIZE + 1) / 2)
         assert backend()._peer is None and backend()._peer_refused, "every rank falls back"
+        grads = [np.full(225_000, RANK + 1.0, np.float32) for i in range(6)]
+        for got in hvd.grouped_allreduce(grads, op=hvd.Sum):
+            assert np.all(got == SIZE * (SIZE + 1) / 2), "sum after the refusal"
         assert backend()._node is not None, "through the shared window instead"
         hvd.shutdown()
     finally:
@@ -194,7 +205,7 @@ def main() -> None:
     check_against_mpi()
     check_absent_peer_is_reported()
     check_inside_hpc_horovod()
-    check_refusal_falls_back_to_the_window()
+    check_refusal_falls_back()
     print(f"rank {RANK}: peer allreduce ok", flush=True)
 
 

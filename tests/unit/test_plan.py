@@ -65,15 +65,53 @@ def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
     assert [plan.order[start:stop] for _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]
 
 
-def test_groups_go_through_the_peers_memory_where_it_pays():
-    """fusion.peers_pay: fused groups from 64 KiB; a tensor alone from 8 MiB when every rank
-    reduces in place (MPI's in-place call is as fast below), from SOLO_BYTES otherwise."""
-    from hpc_horovod.common.fusion import PEER_IN_PLACE_BYTES, PEER_MIN_BYTES, peers_pay
+class _NodeBackend:
+    """What fusion.node_sum asks a backend: whether the window sums natively and whether the
+    peers' memory can be reached (both real answers come from MpiBackend, checked over MPI
+    processes in tests/parallel); the two ways are told apart by identity."""
 
-    assert not peers_pay(PEER_MIN_BYTES - 4, 200, writes_back=True)
-    assert peers_pay(PEER_MIN_BYTES, 2, writes_back=True)
-    assert peers_pay(PEER_MIN_BYTES, 2, writes_back=False)
-    assert not peers_pay(SOLO_BYTES - 4, 1, writes_back=False)
-    assert peers_pay(SOLO_BYTES, 1, writes_back=False)
-    assert not peers_pay(PEER_IN_PLACE_BYTES - 4, 1, writes_back=True)
-    assert peers_pay(PEER_IN_PLACE_BYTES, 1, writes_back=True)
+    def __init__(self, window: bool, peers: bool):
+        self.window, self.peers = window, peers
+
+    def sums_in_window(self, dtype) -> bool:
+        return self.window
+
+    def reduces_through_peers(self, dtype) -> bool:
+        return self.peers
+
+    def sum_in_window(self, *args) -> None: ...
+
+    def reduce_through_peers(self, *args) -> None: ...
+
+
+@pytest.mark.parametrize("peers", [True, False])
+def test_float_sums_cross_the_node_where_it_pays(peers):
+    """fusion.node_sum: fused groups through the window up to WINDOW_SUM_BYTES, or of small
+    tensors, then through the peers' memory (the window when that cannot be reached); a tensor
+    alone through the peers' memory from 8 MiB when every rank reduces in place (MPI's
+    in-place call is as fast below), from SOLO_BYTES otherwise, and never through the window."""
+    from hpc_horovod.common.fusion import (
+        PEER_IN_PLACE_BYTES,
+        WINDOW_SUM_BYTES,
+        WINDOW_SUM_TENSOR_BYTES,
+        node_sum,
+    )
+
+    f32 = np.dtype(np.float32)
+    backend = _NodeBackend(window=True, peers=peers)
+    window, through_peers = backend.sum_in_window, backend.reduce_through_peers
+    for writes_back in (True, False):
+        assert node_sum(backend, f32, 8, 2, writes_back) == window
+        assert node_sum(backend, f32, WINDOW_SUM_BYTES, 2, writes_back) == window
+        many_small = 200 * WINDOW_SUM_TENSOR_BYTES
+        assert node_sum(backend, f32, many_small, 200, writes_back) == window
+        for nbytes, count in ((WINDOW_SUM_BYTES + 4, 2), (many_small + 4, 200)):
+            large = node_sum(backend, f32, nbytes, count, writes_back)
+            assert large == (through_peers if peers else window)
+    alone = {(SOLO_BYTES - 4, False): None, (SOLO_BYTES, False): through_peers,
+             (PEER_IN_PLACE_BYTES - 4, True): None, (PEER_IN_PLACE_BYTES, True): through_peers}
+    for (nbytes, writes_back), way in alone.items():
+        assert node_sum(backend, f32, nbytes, 1, writes_back) == (way if peers else None)
+    nowhere = _NodeBackend(window=False, peers=False)
+    assert node_sum(nowhere, f32, 1 << 20, 20, True) is None
+    assert node_sum(object(), f32, 1 << 20, 20, True) is None  # a backend without a node

@@ -70,6 +70,7 @@ static void request_dealloc(Request *self) {
 }
 
 static PyTypeObject RequestType;
+static PyTypeObject LaneType;
 
 /* A new request; `output` and `splits` may be None. */
 static Request *make_request(PyObject *name, PyObject *tensor, PyObject *signature,
@@ -392,16 +393,14 @@ static void store(remembered *slot, PyObject *dtype, PyObject *shape, PyTypeObje
     slot->postscale = postscale;
 }
 
-static PyObject *lane_allreduce(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "Lane.allreduce takes 7 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *tensor = args[0], *name = args[1], *op = args[2], *prescale = args[3],
-             *postscale = args[4], *process_set = args[5];
-    int in_place = PyObject_IsTrue(args[6]);
-    if (in_place < 0)
-        return NULL;
+int hh_lane_check(PyObject *obj) {
+    return Py_TYPE(obj) == &LaneType;
+}
+
+PyObject *hh_lane_allreduce(PyObject *lane, PyObject *tensor, PyObject *name, PyObject *op,
+                            PyObject *prescale, PyObject *postscale, PyObject *process_set,
+                            int in_place) {
+    Lane *self = (Lane *)lane;
     if (op == Py_None)
         op = average_op;
     /* Anything else (other arrays, generated names, other scales) takes the Python path. */
@@ -474,7 +473,28 @@ done:
     return result;
 }
 
-static PyObject *lane_wait(Lane *self, PyObject *handle) {
+static PyObject *lane_allreduce(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "Lane.allreduce takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int in_place = PyObject_IsTrue(args[6]);
+    if (in_place < 0)
+        return NULL;
+    return hh_lane_allreduce((PyObject *)self, args[0], args[1], args[2], args[3], args[4],
+                             args[5], in_place);
+}
+
+PyObject *hh_request_result(PyObject *req) {
+    if (Py_TYPE(req) == &RequestType) {
+        PyObject *result = ((Request *)req)->result;
+        return Py_NewRef(result != NULL ? result : Py_None);
+    }
+    return PyObject_GetAttrString(req, "result");
+}
+
+PyObject *hh_lane_wait(PyObject *lane, PyObject *handle) {
+    Lane *self = (Lane *)lane;
     PyObject *found = PyDict_GetItemWithError(self->handles, handle);
     if (found != NULL && Py_TYPE(found) == &RequestType) {
         Request *req = (Request *)found;
@@ -662,7 +682,7 @@ static PyMethodDef lane_methods[] = {
      "Submit the allreduce of a C-contiguous numpy array (writable when in place) under "
      "``name``; None when it needs the Python path (another type, no name, a scale that is "
      "not a float, an unregistered process set)."},
-    {"wait", (PyCFunction)lane_wait, METH_O,
+    {"wait", (PyCFunction)hh_lane_wait, METH_O,
      "wait(handle) -> Request\n\nEngine.wait: a completed request (its handle is then "
      "forgotten); otherwise what the engine class's own wait gives or raises."},
     {"admit", (PyCFunction)lane_admit, METH_O,

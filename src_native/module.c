@@ -15,6 +15,7 @@
  *   window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s)
  *                               a fused allreduce through the node's shared window (window.h)
  *   Request, Lane               the per-tensor path of submissions (lane.h)
+ *   Entry                       public functions with their common case in C (entry.h)
  *
  * Only the CPython C API and the buffer protocol are used. bfloat16 arrays (ml_dtypes) export no
  * buffer format, so they are recognised by their dtype's name.
@@ -23,6 +24,7 @@
 #include <Python.h>
 
 #include "convert.h"
+#include "entry.h"
 #include "kernels.h"
 #include "mpi_ops.h"
 #include "lane.h"
@@ -717,7 +719,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (str_dtype == NULL || str_name == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && hh_lane_register(m) < 0)
+    if (m != NULL && (hh_lane_register(m) < 0 || hh_entry_register(m) < 0))
         Py_CLEAR(m);
     return m;
 }

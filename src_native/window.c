@@ -5,6 +5,9 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #include "peer.h"
 
@@ -73,6 +76,39 @@ static int arrive(const hh_window_job *job, const char *phase, char *error, size
     return 0;
 }
 
+/* memcpy into the window, with non-temporal stores where the CPU has them. The other ranks read
+ * what a rank writes there, so its lines sit in their caches: an ordinary store first takes
+ * each line back from them (a read for ownership, a cross-core round trip per 64 bytes), a
+ * streaming store does not. 200 x 16 KiB summed between two ranks: 0.88-0.98 ms against
+ * 1.05-1.11 ms; 50 x 16 KiB: 0.23 ms against 0.48-0.53 ms. */
+static void copy_into_window(char *dst, const char *src, size_t n) {
+#ifdef __SSE2__
+    if (n >= 256) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        for (; n >= 64; dst += 64, src += 64, n -= 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* Streaming stores are not ordered with the arrival that publishes them: fence them first. */
+static void fence_window_writes(void) {
+#ifdef __SSE2__
+    _mm_sfence();
+#endif
+}
+
 /* Copy the parts of the group outside [lo, hi): from this rank's inputs into `window` (at their
  * offsets in the group) when `in`, from `window` into this rank's outputs otherwise. */
 static void copy_outside(const hh_window_job *job, size_t lo, size_t hi, char *window, int in) {
@@ -87,7 +123,7 @@ static void copy_outside(const hh_window_job *job, size_t lo, size_t hi, char *w
             if (b <= a)
                 continue;
             if (in)
-                memcpy(window + a, tensor + (a - at), b - a);
+                copy_into_window(window + a, tensor + (a - at), b - a);
             else
                 memcpy(tensor + (a - at), window + a, b - a);
         }
@@ -105,6 +141,7 @@ int hh_window_reduce(const hh_window_job *job, char *error, size_t error_size) {
     slice_of(total, n, r, &lo, &hi);
     char *result = job->slot + (size_t)n * job->capacity;
     copy_outside(job, lo, hi, job->slot + (size_t)r * job->capacity, 1);
+    fence_window_writes();
     int status = arrive(job, "write their part of the group", error, error_size);
     if (status != 0)
         return status;
@@ -120,10 +157,11 @@ int hh_window_reduce(const hh_window_job *job, char *error, size_t error_size) {
             for (int q = 0; q < n; q++)
                 srcs[q] = q == r ? in + (c - at) : job->slot + (size_t)q * job->capacity + c;
             hh_sum_ranks(job->kind, n, srcs, out + (c - at), (d - c) / item, job->factor);
-            memcpy(result + c, out + (c - at), d - c);
+            copy_into_window(result + c, out + (c - at), d - c);
         }
         at += len;
     }
+    fence_window_writes();
     status = arrive(job, "sum their slice of the group", error, error_size);
     if (status != 0)
         return status;

@@ -3,11 +3,12 @@
 The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`).
 
 When every rank of the communicator is on one node, the ranks share a window of memory
-(:mod:`.shm`). Fused float sums go through it natively, each rank copying in and out only what
-the others sum (:meth:`MpiBackend.sum_in_window`); large float tensors are summed through the
-ranks' own memory (:mod:`.peer`, :meth:`MpiBackend.reduce_through_peers`); other fused groups
-are packed straight into the window (:meth:`MpiBackend.staging`) and read straight out of it.
-All of them save the copies MPI would add.
+(:mod:`.shm`). Float sums of fused groups, and of tensors alone up to 8 MiB, go through it
+natively, each rank copying in and out only what the others sum
+(:meth:`MpiBackend.sum_in_window`); larger float tensors are summed through the ranks' own
+memory (:mod:`.peer`, :meth:`MpiBackend.reduce_through_peers`); other fused groups are packed
+straight into the window (:meth:`MpiBackend.staging`) and read straight out of it. All of them
+save the copies MPI would add (``fusion.node_sum`` chooses).
 """
 
 from __future__ import annotations

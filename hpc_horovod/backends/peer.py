@@ -1,4 +1,5 @@
-"""Sums of fused groups through the memory of the node's other ranks.
+"""Sums through the memory of the node's other ranks (the engine's way for float tensors of 8 MiB
+and more, see ``fusion.node_sum``; smaller ones go through the shared window, :mod:`.shm`).
 
 When every rank is on one node, a group of float tensors can be summed without staging it
 anywhere: each rank publishes where its tensors are (a table of addresses, one small
@@ -8,14 +9,14 @@ result into its own outputs and straight into every peer's (Linux cross-memory a
 ``process_vm_readv``/``process_vm_writev``: what Open MPI's shared-memory transport uses for its
 single-copy messages). One barrier then says that every slice has arrived everywhere. Each byte
 crosses between processes once each way, as in MPI's own two-rank allreduce, and nothing is
-copied into a fusion buffer and back: the shared window (:mod:`.shm`) packs the whole group in,
-and unpacks the whole of it out, on every rank.
+copied into a window and back; the kernel pins every page it copies, which the window's copies
+outrun below 8 MiB.
 
 Nobody else touches rank r's slice of anyone's tensors while rank r works on it, so no other
 synchronization is needed; a peer that died is reported by the failing read or write, or by the
 barrier's timeout. Cross-memory attach needs the same user and a kernel that allows it (not
 every container's seccomp profile does): :meth:`PeerAllreduce.open` tries it both ways between
-every pair of ranks, and every rank falls back to the shared window when one pair cannot.
+every pair of ranks, and every rank falls back to MPI (or the window) when one pair cannot.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ pass over memory. Results of out-of-place requests are views into the (fresh) fu
 unpacking them copies nothing; in-place requests are written back.
 
 When every rank is on one node, float sums skip the fusion buffer altogether (see
-:func:`node_sum`): fused groups go through the node's shared window, each rank copying in and
-out only what the others sum (``backends/shm.py``), and large tensors alone are summed straight
-from the peers' tensors into theirs (``backends/peer.py``). Other groups whose every rank's
+:func:`node_sum`): fused groups and tensors alone up to 8 MiB go through the node's shared
+window, each rank copying in and out only what the others sum (``backends/shm.py``), and larger
+tensors are summed straight from the peers' tensors into theirs (``backends/peer.py``). Other
+groups whose every rank's
 requests of the cycle are in place are packed into and read back from the shared window, which
 spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
 extension provides MPI operations for them.
@@ -135,8 +136,7 @@ class FusedAllreduce:
             _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
             return
         if op == Sum and post == 1.0:
-            sum_across = node_sum(backend, dtype, self.total * dtype.itemsize, len(reqs),
-                                  writes_back)
+            sum_across = node_sum(backend, dtype, self.total * dtype.itemsize, len(reqs))
             if sum_across is not None:
                 self._sum_across(sum_across, reqs, dtype, pre, writes_back)
                 return
@@ -273,36 +273,36 @@ def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.
 #: backend call, negligible at this size.
 SOLO_BYTES = 1 << 20
 
-#: Fused groups up to this size, or of tensors of at most ``WINDOW_SUM_TENSOR_BYTES`` on
-#: average, are summed through the node's shared window; the others through the peers' memory
-#: where the backend can (``backends/peer.py``). In the window each rank copies (n-1)/n of the
-#: group in and as much out, but pins no pages and exchanges no table, and two arrivals in shared
-#: memory replace MPI's barrier: 20% faster than the peers' memory up to 1 MiB (8 x 64 KiB,
-#: 50 x 16 KiB, 20 x 4 KiB: 0.18-0.24 ms against 0.23-0.29 ms), as fast for 200 x 16 KiB, 7-12%
-#: faster for 400 x 8 KiB; with tensors of 160 KiB or more, and groups of megabytes, the copies
-#: cost more than that saves (4-30% slower).
-WINDOW_SUM_BYTES = 1 << 20
-WINDOW_SUM_TENSOR_BYTES = 32 << 10
-#: A tensor alone in its group goes through the peers' memory from this size when every rank
-#: reduces in place (smaller, MPI's in-place allreduce is as fast: 2 ranks, 1-8 MiB), and from
-#: ``SOLO_BYTES`` otherwise (MPI would need a copy into the result first). Above 16 MiB Open
-#: MPI 4.1's shared-memory allreduce slows down to 2 GB/s, 3-4x slower than the peers' memory.
-PEER_IN_PLACE_BYTES = 8 << 20
+#: A tensor alone in its group goes through the node's shared window from this size (below,
+#: MPI's own small-message allreduce is as fast as the window's two arrivals).
+WINDOW_MIN_BYTES = 8 << 10
+#: A tensor alone goes through the peers' memory from this size (``backends/peer.py``): there
+#: the window's copies cost more than the pages the peers' memory pins (8-16 MiB: 1.12x its
+#: time), and above 16 MiB Open MPI 4.1's shared-memory allreduce slows down to 2 GB/s, 3-4x
+#: slower than the peers' memory.
+PEER_BYTES = 8 << 20
 
 
-def node_sum(backend, dtype: np.dtype, nbytes: int, count: int, writes_back: bool):
+def node_sum(backend, dtype: np.dtype, nbytes: int, count: int):
     """How a float sum of ``count`` tensors and ``nbytes`` crosses the node's ranks, if not by
-    MPI or the Python window: ``backend.sum_in_window``, ``backend.reduce_through_peers`` or
-    None. It rests on what every rank agreed (``writes_back``: every rank reduces into
-    outputs), so every rank takes the same way."""
-    window = count > 1 and hasattr(backend, "sums_in_window") and backend.sums_in_window(dtype)
-    if window and (nbytes <= WINDOW_SUM_BYTES or nbytes <= count * WINDOW_SUM_TENSOR_BYTES):
-        return backend.sum_in_window
-    solo_bytes = PEER_IN_PLACE_BYTES if writes_back else SOLO_BYTES
-    if ((count > 1 or nbytes >= solo_bytes) and hasattr(backend, "reduces_through_peers")
-            and backend.reduces_through_peers(dtype)):  # collective the first time
+    MPI or the Python window: ``backend.sum_in_window`` (fused groups, and tensors alone from
+    ``WINDOW_MIN_BYTES``), ``backend.reduce_through_peers`` (tensors alone from
+    ``PEER_BYTES``) or None. It rests on what every rank agreed, so every rank takes the same
+    way.
+
+    Through the window each rank copies (n-1)/n of the group in and as much out, with streaming
+    stores, pins no pages and exchanges no table, and two arrivals in shared memory replace
+    MPI's barrier. Two ranks here: 0.7-1.0x the time of the peers' memory for fused groups of
+    4 KiB to 900 KiB tensors (80 KB to 14 MB), and 0.4-0.7x the time of MPI's in-place
+    allreduce for a tensor alone of 64 KiB to 4 MiB.
+    """
+    if count == 1 and nbytes >= PEER_BYTES and hasattr(backend, "reduces_through_peers") \
+            and backend.reduces_through_peers(dtype):  # collective the first time
         return backend.reduce_through_peers
-    return backend.sum_in_window if window else None
+    if ((count > 1 or nbytes >= WINDOW_MIN_BYTES) and hasattr(backend, "sums_in_window")
+            and backend.sums_in_window(dtype) and nbytes <= backend.fusion_capacity):
+        return backend.sum_in_window
+    return None
 
 
 def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int,

@@ -114,8 +114,9 @@ def check_inside_hpc_horovod() -> None:
     for t, h in zip(shaped, handles):
         got = hvd.synchronize(h)
         assert got.shape == t.shape and np.all(got == SIZE * (SIZE + 1) / 4), "scaled"
-    # tensors alone in their group: 24 MiB in place, 2.4 MB out of place (fusion.node_sum);
-    # 4 MiB in place stays in MPI
+    # tensors alone in their group (fusion.node_sum): 24 MiB in place and out of place through
+    # the peers' memory, 2.4 MB out of place and 4 MiB in place through the window, 4 KiB
+    # through MPI; fused groups through the window, whatever their size
     counts, real = [], backend().reduce_through_peers
     backend().reduce_through_peers = lambda inputs, *args: (counts.append(len(inputs)),
                                                             real(inputs, *args))
@@ -124,17 +125,21 @@ def check_inside_hpc_horovod() -> None:
                                                      real_window(inputs, *args))
     big = np.full(3 << 20, RANK + 1.0)
     assert hvd.allreduce_(big, op=hvd.Sum) is big and np.all(big == SIZE * (SIZE + 1) / 2)
+    got = hvd.allreduce(big, op=hvd.Average)
+    assert got is not big and np.all(got == SIZE * (SIZE + 1) / 2), "large out of place"
     got = hvd.allreduce(np.full((600, 500), RANK + 1.0), op=hvd.Average)
     assert got.shape == (600, 500) and np.all(got == (SIZE + 1) / 2), "solo out of place"
     middle = np.full(1 << 20, RANK + 1.0, np.float32)
     hvd.allreduce_(middle, op=hvd.Sum)
-    assert np.all(middle == SIZE * (SIZE + 1) / 2), "solo in place through MPI"
+    assert np.all(middle == SIZE * (SIZE + 1) / 2), "solo in place"
+    small = np.full(1024, RANK + 1.0, np.float32)
+    hvd.allreduce_(small, op=hvd.Sum)
+    assert np.all(small == SIZE * (SIZE + 1) / 2), "small, through MPI"
     assert counts == [1, 1], f"tensors alone through the peers: {counts}"
-    assert fused == [], f"tensors alone through the window: {fused}"
-    # fused groups from 5 MiB on go through the peers' memory
+    assert fused == [1, 1], f"tensors alone through the window: {fused}"
     large = [np.full(225_000, RANK + 1.0, np.float32) for i in range(6)]  # one cycle
     assert all(np.all(t == SIZE * (SIZE + 1) / 2) for t in hvd.grouped_allreduce(large, op=hvd.Sum))
-    assert counts == [1, 1, 6] and fused == [], f"peers {counts}, window {fused}"
+    assert counts == [1, 1] and fused == [1, 1, 6], f"peers {counts}, window {fused}"
     del backend().reduce_through_peers, backend().sum_in_window
     # mixed across ranks: in place on some, out of place on others
     for step in range(3):

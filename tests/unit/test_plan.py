@@ -66,9 +66,12 @@ def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
 
 
 class _NodeBackend:
-    """What fusion.node_sum asks a backend: whether the window sums natively and whether the
-    peers' memory can be reached (both real answers come from MpiBackend, checked over MPI
-    processes in tests/parallel); the two ways are told apart by identity."""
+    """What fusion.node_sum asks a backend: whether the window sums natively, how large its
+    segments are, and whether the peers' memory can be reached (the real answers come from
+    MpiBackend, checked over MPI processes in tests/parallel); the two ways are told apart by
+    identity."""
+
+    fusion_capacity = 16 << 20
 
     def __init__(self, window: bool, peers: bool):
         self.window, self.peers = window, peers
@@ -86,32 +89,22 @@ class _NodeBackend:
 
 @pytest.mark.parametrize("peers", [True, False])
 def test_float_sums_cross_the_node_where_it_pays(peers):
-    """fusion.node_sum: fused groups through the window up to WINDOW_SUM_BYTES, or of small
-    tensors, then through the peers' memory (the window when that cannot be reached); a tensor
-    alone through the peers' memory from 8 MiB when every rank reduces in place (MPI's
-    in-place call is as fast below), from SOLO_BYTES otherwise, and never through the window."""
-    from hpc_horovod.common.fusion import (
-        PEER_IN_PLACE_BYTES,
-        WINDOW_SUM_BYTES,
-        WINDOW_SUM_TENSOR_BYTES,
-        node_sum,
-    )
+    """fusion.node_sum: fused groups through the window whatever their size; a tensor alone
+    through MPI below WINDOW_MIN_BYTES, through the window up to PEER_BYTES, then through the
+    peers' memory (the window up to its capacity when that cannot be reached, else MPI)."""
+    from hpc_horovod.common.fusion import PEER_BYTES, WINDOW_MIN_BYTES, node_sum
 
     f32 = np.dtype(np.float32)
     backend = _NodeBackend(window=True, peers=peers)
     window, through_peers = backend.sum_in_window, backend.reduce_through_peers
-    for writes_back in (True, False):
-        assert node_sum(backend, f32, 8, 2, writes_back) == window
-        assert node_sum(backend, f32, WINDOW_SUM_BYTES, 2, writes_back) == window
-        many_small = 200 * WINDOW_SUM_TENSOR_BYTES
-        assert node_sum(backend, f32, many_small, 200, writes_back) == window
-        for nbytes, count in ((WINDOW_SUM_BYTES + 4, 2), (many_small + 4, 200)):
-            large = node_sum(backend, f32, nbytes, count, writes_back)
-            assert large == (through_peers if peers else window)
-    alone = {(SOLO_BYTES - 4, False): None, (SOLO_BYTES, False): through_peers,
-             (PEER_IN_PLACE_BYTES - 4, True): None, (PEER_IN_PLACE_BYTES, True): through_peers}
-    for (nbytes, writes_back), way in alone.items():
-        assert node_sum(backend, f32, nbytes, 1, writes_back) == (way if peers else None)
+    capacity = backend.fusion_capacity
+    for nbytes in (8, WINDOW_MIN_BYTES, PEER_BYTES, capacity):
+        assert node_sum(backend, f32, nbytes, 2) == window
+    alone = {WINDOW_MIN_BYTES - 4: None, WINDOW_MIN_BYTES: window, PEER_BYTES - 4: window,
+             PEER_BYTES: through_peers if peers else window,
+             capacity + 4: through_peers if peers else None}
+    for nbytes, way in alone.items():
+        assert node_sum(backend, f32, nbytes, 1) == way, nbytes
     nowhere = _NodeBackend(window=False, peers=False)
-    assert node_sum(nowhere, f32, 1 << 20, 20, True) is None
-    assert node_sum(object(), f32, 1 << 20, 20, True) is None  # a backend without a node
+    assert node_sum(nowhere, f32, 1 << 20, 20) is None
+    assert node_sum(object(), f32, 1 << 20, 20) is None  # a backend without a node

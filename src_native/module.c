@@ -397,6 +397,15 @@ static PyObject *py_use_kernels(PyObject *self, PyObject *arg) {
     return previous;
 }
 
+/* The kind the native sums take for a dtype name, or HH_RAW for none. */
+static hh_kind summed_kind(const char *dtype) {
+    return strcmp(dtype, "float32") == 0    ? HH_F32
+           : strcmp(dtype, "float64") == 0  ? HH_F64
+           : strcmp(dtype, "float16") == 0  ? HH_F16
+           : strcmp(dtype, "bfloat16") == 0 ? HH_BF16
+                                            : HH_RAW;
+}
+
 /* ---- cross-memory reduction (peer.h) ------------------------------------------------------- */
 
 PyDoc_STRVAR(peer_allow_doc,
@@ -533,11 +542,7 @@ static PyObject *py_peer_reduce(PyObject *self, PyObject *args) {
     if (seq == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    hh_kind kind = strcmp(dtype, "float32") == 0   ? HH_F32
-                   : strcmp(dtype, "float64") == 0 ? HH_F64
-                   : strcmp(dtype, "float16") == 0 ? HH_F16
-                   : strcmp(dtype, "bfloat16") == 0 ? HH_BF16
-                                                    : HH_RAW;
+    hh_kind kind = summed_kind(dtype);
     size_t row_bytes = 3 * sizeof(uint64_t);
     if (kind == HH_RAW) {
         PyErr_Format(PyExc_TypeError, "peer_reduce: no sum of %s (float16, bfloat16, float32 or "
@@ -631,11 +636,7 @@ static PyObject *py_window_reduce(PyObject *self, PyObject *args) {
                           &dtype, &factor, &timeout_s))
         return NULL;
     PyObject *result = NULL;
-    hh_kind kind = strcmp(dtype, "float32") == 0   ? HH_F32
-                   : strcmp(dtype, "float64") == 0 ? HH_F64
-                   : strcmp(dtype, "float16") == 0 ? HH_F16
-                   : strcmp(dtype, "bfloat16") == 0 ? HH_BF16
-                                                    : HH_RAW;
+    hh_kind kind = summed_kind(dtype);
     if (kind == HH_RAW) {
         PyErr_Format(PyExc_TypeError, "window_reduce: no sum of %s (float16, bfloat16, float32 "
                      "or float64)", dtype);

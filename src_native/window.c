@@ -1,4 +1,4 @@
-/* Sums of fused groups through the node's shared window (see window.h). */
+/* Float sums through the node's shared window (see window.h). */
 #define _GNU_SOURCE
 #include "window.h"
 
@@ -61,7 +61,7 @@ static int arrive(const hh_window_job *job, const char *phase, char *error, size
                                         __ATOMIC_ACQUIRE) < target)
                         used += (size_t)snprintf(error + used, error_size - used, " %d", p);
                 if (used < error_size)
-                    snprintf(error + used, error_size - used, " did not %s within %.0f s", phase,
+                    snprintf(error + used, error_size - used, " did not %s within %g s", phase,
                              job->timeout_s);
                 return -1;
             }

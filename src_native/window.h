@@ -1,4 +1,4 @@
-/* Sums of fused groups through the node's shared window, with the ranks' own tensors on both
+/* Float sums through the node's shared window, with the ranks' own tensors on both
  * ends (the native version of what backends/shm.py does with numpy).
  *
  * Every rank owns the bytes [lo, hi) of the group laid end to end (64-byte aligned slices, as

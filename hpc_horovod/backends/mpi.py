@@ -148,7 +148,7 @@ class MpiBackend:
         self._window().reduce_arrays(inputs, outputs, dtype, factor, self._timeout_s)
 
     def reduces_through_peers(self, dtype: np.dtype) -> bool:
-        """Whether fused sums of ``dtype`` go through the other ranks' memory
+        """Whether float sums of ``dtype`` can go through the other ranks' memory
         (:meth:`reduce_through_peers`). The answer is the same on every rank: False with ranks
         on several nodes, shared memory off, a dtype the native kernel does not sum, or
         cross-memory attach refused. Collective the first time it can be True."""

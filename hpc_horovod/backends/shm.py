@@ -20,6 +20,7 @@ buffer while a slower peer still reads the previous result: a slot is written ag
 the next reduction's first arrival, which no rank passes before every peer has finished reading
 it.
 """
+
 from __future__ import annotations
 
 import os

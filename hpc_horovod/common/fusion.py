@@ -9,10 +9,9 @@ When every rank is on one node, float sums skip the fusion buffer altogether (se
 :func:`node_sum`): fused groups and tensors alone up to 8 MiB go through the node's shared
 window, each rank copying in and out only what the others sum (``backends/shm.py``), and larger
 tensors are summed straight from the peers' tensors into theirs (``backends/peer.py``). Other
-groups whose every rank's
-requests of the cycle are in place are packed into and read back from the shared window, which
-spares MPI's copies in and out. float16/bfloat16 are reduced in float32 unless the native
-extension provides MPI operations for them.
+groups whose every rank's requests of the cycle are in place are packed into and read back from
+the shared window, which spares MPI's copies in and out. float16/bfloat16 are reduced in
+float32 unless the native extension provides MPI operations for them.
 """
 
 from __future__ import annotations

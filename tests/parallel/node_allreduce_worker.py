@@ -353,6 +353,7 @@ def check_inside_hpc_horovod() -> None:
         hvd.allreduce_(big, op=hvd.Sum)
         assert np.all(big == SIZE * (SIZE + 1) / 2)
         assert (backend._peer is not None) == bool(backend.fusion_capacity), "peers unused"
+        COMM.Barrier()  # no rank stops (which releases every rank's window) before all looked
         hvd.shutdown()
         assert hvd_or_none() is None
 

@@ -201,6 +201,7 @@ def check_refusal_falls_back() -> None:
         for got in hvd.grouped_allreduce(grads, op=hvd.Sum):
             assert np.all(got == SIZE * (SIZE + 1) / 2), "sum after the refusal"
         assert backend()._node is not None, "through the shared window instead"
+        COMM.Barrier()  # no rank stops (which releases every rank's window) before all looked
         hvd.shutdown()
     finally:
         peer._native = real

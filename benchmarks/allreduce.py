@@ -263,9 +263,12 @@ class Contenders:
             for x, f in zip(xs, fills):
                 np.copyto(x, f)
 
-        def ours(submit):
+        def ours(submit, prefix: str):
+            # names made once, as a training loop's are: the loop measures the library
+            tagged = [prefix + name for name in names]
+
             def run():
-                for h in [submit(x, name) for x, name in zip(xs, names)]:
+                for h in [submit(x, name) for x, name in zip(xs, tagged)]:
                     hvd.synchronize(h)
             return run
 
@@ -287,10 +290,10 @@ class Contenders:
             return run_without
 
         cases = {
-            "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name="np" + n)),
+            "hvd numpy": (ours(lambda x, n: hvd.allreduce_async(x, op=hvd.Sum, name=n), "np"),
                           refill),
             "hvd numpy in-place": (
-                ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name="ip" + n)), refill),
+                ours(lambda x, n: hvd.allreduce_async_(x, op=hvd.Sum, name=n), "ip"), refill),
         }
         in_place = cases["hvd numpy in-place"][0]
         if getattr(backend, "sums_in_window", None) is not None:
@@ -301,10 +304,11 @@ class Contenders:
                 without(in_place, fusion_capacity=None), refill)
         if self.hvd_torch is not None:
             ts = [self._tensor(x) for x in xs]
+            torch_names = ["t" + n for n in names]
 
             def torch_run():
-                handles = [self.hvd_torch.allreduce_async(t, op=hvd.Sum, name="t" + n)
-                           for t, n in zip(ts, names)]
+                handles = [self.hvd_torch.allreduce_async(t, op=hvd.Sum, name=n)
+                           for t, n in zip(ts, torch_names)]
                 for h in handles:
                     self.hvd_torch.synchronize(h)
             cases["hvd torch"] = (torch_run, refill)
@@ -328,10 +332,11 @@ class Contenders:
             cases[f"gloo {len(xs)} async"] = (gloo_run, refill)
         if self.horovod is not None:
             ts = [self._tensor(x) for x in xs]
+            horovod_names = ["h" + n for n in names]
 
             def horovod_run():
-                handles = [self.horovod.allreduce_async(t, op=self.horovod.Sum, name="h" + n)
-                           for t, n in zip(ts, names)]
+                handles = [self.horovod.allreduce_async(t, op=self.horovod.Sum, name=n)
+                           for t, n in zip(ts, horovod_names)]
                 for h in handles:
                     self.horovod.synchronize(h)
             cases["horovod"] = (horovod_run, refill)

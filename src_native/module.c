@@ -485,12 +485,24 @@ static PyObject *py_peer_table(PyObject *self, PyObject *args) {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer in, out;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(inputs, i), &in, PyBUF_C_CONTIGUOUS) != 0) {
+        PyObject *in_obj = PySequence_Fast_GET_ITEM(inputs, i);
+        PyObject *out_obj = PySequence_Fast_GET_ITEM(outputs, i);
+        if (out_obj == in_obj) { /* in place: one view, writable (half the cost of two) */
+            if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+                prefix_error("peer_table", "outputs", i, 1);
+                goto done;
+            }
+            rows[i * 3] = rows[i * 3 + 1] = (uint64_t)(uintptr_t)in.buf;
+            rows[i * 3 + 2] = (uint64_t)in.len;
+            total += in.len;
+            PyBuffer_Release(&in);
+            continue;
+        }
+        if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS) != 0) {
             prefix_error("peer_table", "inputs", i, 0);
             goto done;
         }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(outputs, i), &out,
-                               PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+        if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
             PyBuffer_Release(&in);
             prefix_error("peer_table", "outputs", i, 1);
             goto done;

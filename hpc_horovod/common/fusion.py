@@ -17,6 +17,7 @@ float32 unless the native extension provides MPI operations for them.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 
 import numpy as np
@@ -186,8 +187,8 @@ class FusedAllreduce:
         views of one fresh buffer. ``writes_back``: as in ``__call__``, which also means that
         every request here has an output."""
         if writes_back and None not in reqs:  # every request has an output: a gradient step
-            outputs = [req.output for req in reqs]
-            sum_across([req.tensor for req in reqs], outputs, dtype, factor)
+            outputs = list(map(_output_of, reqs))
+            sum_across(list(map(_tensor_of, reqs)), outputs, dtype, factor)
             for req, out in zip(reqs, outputs):
                 req.result = out
             return
@@ -222,6 +223,9 @@ class FusedAllreduce:
         else:
             for out, (a, b) in zip(outputs, self.bounds):
                 _scale_into(reduced[a:b], post, out.reshape(-1))
+
+
+_tensor_of, _output_of = operator.attrgetter("tensor"), operator.attrgetter("output")
 
 
 def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:

@@ -174,8 +174,14 @@ def test_tables_check_their_arrays():
     frozen.flags.writeable = False
     with pytest.raises((ValueError, BufferError), match=r"outputs\[0\] must be a writable"):
         _native.peer_table([np.ones(3)], [frozen], table)
+    with pytest.raises((ValueError, BufferError), match=r"outputs\[1\] must be a writable"):
+        _native.peer_table([np.ones(3), frozen], [np.ones(3), frozen], table)  # in place
     with pytest.raises(ValueError, match="the table holds 48 bytes, 3 rows need 72"):
         _native.peer_table([np.ones(1)] * 3, [np.ones(1)] * 3, table)
     a = np.arange(6.0)
     assert _native.peer_table([a], [a], table) == 48
     assert table[0].tolist() == [a.ctypes.data, a.ctypes.data, 48]
+    b, c = np.arange(2.0), np.empty(2)
+    assert _native.peer_table([a, b], [a, c], table) == 64
+    assert table.tolist() == [[a.ctypes.data, a.ctypes.data, 48],
+                              [b.ctypes.data, c.ctypes.data, 16]]

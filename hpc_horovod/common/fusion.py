@@ -100,6 +100,9 @@ def _scale_inplace(buf: np.ndarray, factor: float) -> None:
         _scale_into(buf, factor, buf)
 
 
+_tensor_of, _output_of = operator.attrgetter("tensor"), operator.attrgetter("output")
+
+
 class FusedAllreduce:
     """Allreduce of a group of agreed tensors (same dtype, op and scale factors) through one
     fusion buffer and one backend call, or through the peers' memory where that pays.
@@ -223,9 +226,6 @@ class FusedAllreduce:
         else:
             for out, (a, b) in zip(outputs, self.bounds):
                 _scale_into(reduced[a:b], post, out.reshape(-1))
-
-
-_tensor_of, _output_of = operator.attrgetter("tensor"), operator.attrgetter("output")
 
 
 def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:

@@ -28,6 +28,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from ..common import patience
 from ..common.errors import HorovodInternalError
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .waiting import RequestWaiter
@@ -154,7 +155,7 @@ class NodeAllreduce:
         self._slot = (slot + 1) % _SLOTS
         try:
             _native.window_reduce(table, self._slots[slot], self._flags, self.rank, self.size,
-                                  dtype.name, factor, timeout_s)
+                                  dtype.name, factor, timeout_s, patience.keeps_core())
         except TimeoutError as exc:
             raise HorovodInternalError(
                 f"shared-memory allreduce of {len(inputs)} tensors of {dtype}: {exc}: a peer "

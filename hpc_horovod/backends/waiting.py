@@ -1,16 +1,20 @@
-"""Waiting for a non-blocking MPI request: a short spin, then short sleeps, and a deadline.
+"""Waiting for a non-blocking MPI request: a short spin, then yields or short sleeps, and a
+deadline.
 
 A blocking collective spins a core at 100% while a peer computes (on a node with one core per
 rank that steals the core the peer's own training needs) and never gives up on a peer that died.
-Polling with a back-off costs microseconds and turns a dead peer into an error.
+Polling with a back-off costs microseconds and turns a dead peer into an error. A caller that
+waits for its own result yields its core rather than sleeping (``common.patience``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
+from ..common import patience
 from ..common.errors import HorovodInternalError
 
 
@@ -45,9 +49,13 @@ class RequestWaiter:
             self._slack_threads.add(threading.get_ident())
         start = time.perf_counter()
         spin_until = start + 50e-6
+        yield_until = start + patience.YIELD_S if patience.keeps_core() else start
         while not req.Test():
             now = time.perf_counter()
             if now < spin_until:
+                continue
+            if now < yield_until:
+                os.sched_yield()
                 continue
             if timeout_s and now - start > timeout_s:
                 _abandoned.append(req)

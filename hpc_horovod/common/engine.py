@@ -58,6 +58,7 @@ from .negotiation import (
     stall_message,
     unpack_words,
 )
+from .patience import waiting_caller
 from .request import _SIGNATURES, Request, signature_of
 from .types import Adasum, Signature
 
@@ -369,7 +370,8 @@ class Engine:
             if not self._stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self._stopped:
-                        self._guarded_cycle()
+                        with waiting_caller:  # nothing else to run: waits keep the core
+                            self._guarded_cycle()
                 finally:
                     lock.release()
             elif self._stopped:  # every request is being completed with the engine's error

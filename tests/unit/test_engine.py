@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hpc_horovod.backends.single import SingleBackend
+from hpc_horovod.common import patience
 from hpc_horovod.common.config import Settings
 from hpc_horovod.common.engine import Engine
 from hpc_horovod.common.errors import HorovodInternalError
@@ -145,3 +146,32 @@ def test_another_threads_submission_still_wakes_the_engine_thread(slow_engine):
     finally:
         leave.set()
         thread.join(10)
+
+
+class _PatienceBackend(SingleBackend):
+    """Records, for each cycle's negotiation, which thread ran it and whether it kept its core."""
+
+    def __init__(self):
+        super().__init__()
+        self.negotiations = []
+
+    def negotiate(self, words, timeout_s):
+        self.negotiations.append((threading.current_thread().name, patience.keeps_core()))
+        return super().negotiate(words, timeout_s)
+
+
+def test_a_caller_keeps_its_core_while_it_waits_and_the_engine_thread_does_not():
+    backend = _PatienceBackend()
+    engine = Engine(backend, Settings(cycle_time_ms=30_000))
+    engine.start()
+    try:
+        me = threading.current_thread().name
+        with engine.synchronous():
+            engine.wait(engine.submit(allreduce("sync", np.ones(3))))
+        assert backend.negotiations == [(me, True)]
+        assert not patience.keeps_core()  # only inside the cycles it runs
+        handle = engine.submit(allreduce("async", np.ones(3)))
+        _wait_for(lambda: engine.poll(handle), "the engine thread to complete the request")
+        assert backend.negotiations[1] == ("hpc_horovod-engine", False)
+    finally:
+        engine.shutdown()

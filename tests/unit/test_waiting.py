@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import pytest
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
 from hpc_horovod.backends import waiting  # noqa: E402
+from hpc_horovod.common import patience  # noqa: E402
 from hpc_horovod.common.errors import HorovodInternalError  # noqa: E402
 
 
@@ -34,3 +38,39 @@ def test_a_completed_request_returns_at_once():
     MPI.COMM_SELF.Send(np.array([5], np.int64), dest=0, tag=78)
     waiting.RequestWaiter(1).wait(recv, 0.05, "a message")
     assert buf[0] == 5
+
+
+class _LateRequest:
+    """Completes after ``delay_s`` of wall time, like a peer's answer."""
+
+    def __init__(self, delay_s: float):
+        self._at = time.perf_counter() + delay_s
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return time.perf_counter() >= self._at
+
+
+@pytest.mark.parametrize("caller", [True, False], ids=["caller", "engine thread"])
+def test_a_waiting_caller_yields_its_core_and_the_engine_thread_sleeps(monkeypatch, caller):
+    yields, sleeps = [], []
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
+    sleep = time.sleep
+    monkeypatch.setattr(waiting.time, "sleep", lambda s: (sleeps.append(s), sleep(s)))
+    context = patience.waiting_caller if caller else contextlib.nullcontext()
+    with context:
+        waiting.RequestWaiter(2).wait(_LateRequest(0.005), 1.0, "a late peer")
+    if caller:  # 5 ms is within the yielding time: no sleep at all
+        assert yields and not sleeps
+    else:
+        assert sleeps and not yields
+    assert not patience.keeps_core()
+
+
+def test_a_caller_keeps_yielding_only_so_long(monkeypatch):
+    monkeypatch.setattr(patience, "YIELD_S", 0.002)
+    sleeps = []
+    sleep = time.sleep
+    monkeypatch.setattr(waiting.time, "sleep", lambda s: (sleeps.append(s), sleep(s)))
+    with patience.waiting_caller:
+        waiting.RequestWaiter(2).wait(_LateRequest(0.01), 1.0, "a late peer")
+    assert sleeps  # after 2 ms of yielding it sleeps, as the engine thread does

@@ -629,7 +629,7 @@ PyDoc_STRVAR(window_reduce_doc,
 "table; outputs[i] = factor x (sum over ranks of inputs[i]), in rank order (float16/bfloat16\n"
 "in float32, rounded once). Raises TimeoutError naming the ranks that did not arrive within\n"
 "``timeout_s`` (0: no limit); a signal's exception stops the wait. ``keep_core``: waits yield\n"
-"the core for up to 10 ms before they sleep (a caller with nothing else to run).");
+"the core for up to 10 ms before they sleep (the rank has nothing else to run).");
 
 /* While a window reduction waits for a peer: run the signal handlers (KeyboardInterrupt). */
 static int window_interrupted(void *context) {

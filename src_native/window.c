@@ -14,8 +14,8 @@
 
 #define ALIGN 64                 /* slice bounds on cache lines, as shm._slice_bounds */
 #define BLOCK ((size_t)64 * 1024) /* bytes summed before they are copied into the result */
-/* How an arrival waits: spinning, then, for a caller that keeps its core (keep_core, see
- * common/patience.py), sched_yield, which gives the core to any other thread of it without
+/* How an arrival waits: spinning, then, while the rank keeps its core (keep_core: a thread of
+ * it waits for a result, see common/patience.py), sched_yield, which gives the core to any other thread of it without
  * leaving it idle, up to YIELD_S; otherwise (and after that) short sleeps, as
  * backends/waiting.py. A vCPU that sleeps even 20 us comes back slowly: with sleeps from 50 us
  * on, 200 x 16 KiB took 0.12-0.25 ms more per batch than yielding up to 5-10 ms (1.34-1.39

@@ -3,8 +3,8 @@ deadline.
 
 A blocking collective spins a core at 100% while a peer computes (on a node with one core per
 rank that steals the core the peer's own training needs) and never gives up on a peer that died.
-Polling with a back-off costs microseconds and turns a dead peer into an error. A caller that
-waits for its own result yields its core rather than sleeping (``common.patience``).
+Polling with a back-off costs microseconds and turns a dead peer into an error. While a thread
+of the rank waits for a result, waits yield the core rather than sleep (``common.patience``).
 """
 
 from __future__ import annotations

@@ -350,7 +350,8 @@ class Engine:
         if not req.done:
             self._callers += 1
             try:
-                self._run_cycles_until(req)
+                with waiting_caller:  # the rank has nothing else to run: waits keep the core
+                    self._run_cycles_until(req)
             finally:
                 self._leave()
         del self._handles[handle]
@@ -370,8 +371,7 @@ class Engine:
             if not self._stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self._stopped:
-                        with waiting_caller:  # nothing else to run: waits keep the core
-                            self._guarded_cycle()
+                        self._guarded_cycle()
                 finally:
                     lock.release()
             elif self._stopped:  # every request is being completed with the engine's error

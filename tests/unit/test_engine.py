@@ -160,7 +160,7 @@ class _PatienceBackend(SingleBackend):
         return super().negotiate(words, timeout_s)
 
 
-def test_a_caller_keeps_its_core_while_it_waits_and_the_engine_thread_does_not():
+def test_cycles_keep_the_core_while_a_caller_waits_and_not_in_the_background():
     backend = _PatienceBackend()
     engine = Engine(backend, Settings(cycle_time_ms=30_000))
     engine.start()
@@ -169,7 +169,7 @@ def test_a_caller_keeps_its_core_while_it_waits_and_the_engine_thread_does_not()
         with engine.synchronous():
             engine.wait(engine.submit(allreduce("sync", np.ones(3))))
         assert backend.negotiations == [(me, True)]
-        assert not patience.keeps_core()  # only inside the cycles it runs
+        assert not patience.keeps_core()  # only while it waits
         handle = engine.submit(allreduce("async", np.ones(3)))
         _wait_for(lambda: engine.poll(handle), "the engine thread to complete the request")
         assert backend.negotiations[1] == ("hpc_horovod-engine", False)

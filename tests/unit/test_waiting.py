@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import numpy as np
@@ -50,8 +51,8 @@ class _LateRequest:
         return time.perf_counter() >= self._at
 
 
-@pytest.mark.parametrize("caller", [True, False], ids=["caller", "engine thread"])
-def test_a_waiting_caller_yields_its_core_and_the_engine_thread_sleeps(monkeypatch, caller):
+@pytest.mark.parametrize("caller", [True, False], ids=["a thread waits", "nobody waits"])
+def test_waits_yield_the_core_while_a_thread_waits_and_sleep_otherwise(monkeypatch, caller):
     yields, sleeps = [], []
     monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
     sleep = time.sleep
@@ -74,3 +75,19 @@ def test_a_caller_keeps_yielding_only_so_long(monkeypatch):
     with patience.waiting_caller:
         waiting.RequestWaiter(2).wait(_LateRequest(0.01), 1.0, "a late peer")
     assert sleeps  # after 2 ms of yielding it sleeps, as the engine thread does
+
+
+def test_keeping_the_core_is_the_whole_ranks_while_any_thread_waits():
+    """The engine thread runs cycles for a waiting caller too: what decides is that some thread
+    of the rank waits, not which thread asks."""
+    seen = []
+    assert not patience.keeps_core()
+    with patience.waiting_caller:
+        other = threading.Thread(target=lambda: seen.append(patience.keeps_core()))
+        other.start()
+        other.join(10)
+        with patience.waiting_caller:  # nested: another caller
+            assert patience.keeps_core()
+        assert patience.keeps_core()
+    assert seen == [True]
+    assert not patience.keeps_core()

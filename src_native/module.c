@@ -12,7 +12,7 @@
  *   peer_table(inputs, outputs, table),
  *   peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch)
  *                               a fused allreduce through the peers' own memory (peer.h)
- *   window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, keep_core)
+ *   window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, yield_s)
  *                               a fused allreduce through the node's shared window (window.h)
  *   Request, Lane               the per-tensor path of submissions (lane.h)
  *   Entry                       public functions with their common case in C (entry.h)
@@ -621,15 +621,15 @@ static PyObject *py_peer_chunk(PyObject *self, PyObject *unused) {
 /* ---- reduction through the shared window (window.h) --------------------------------------- */
 
 PyDoc_STRVAR(window_reduce_doc,
-"window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, keep_core) -> None\n\n"
+"window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, yield_s) -> None\n\n"
 "A Sum over the ``size`` ranks of one node of the group that ``table`` (a peer_table of this\n"
 "rank's inputs and outputs) describes, through ``slot``: ``size`` segments then the result, of\n"
 "len(slot) / (size + 1) bytes each, in memory every rank maps. ``flags``: the ranks' int64\n"
 "arrival counters, 8 apart, also shared and zero at first. Every rank calls it with its own\n"
 "table; outputs[i] = factor x (sum over ranks of inputs[i]), in rank order (float16/bfloat16\n"
 "in float32, rounded once). Raises TimeoutError naming the ranks that did not arrive within\n"
-"``timeout_s`` (0: no limit); a signal's exception stops the wait. ``keep_core``: waits yield\n"
-"the core for up to 10 ms before they sleep (the rank has nothing else to run).");
+"``timeout_s`` (0: no limit); a signal's exception stops the wait. Waits yield the core for\n"
+"``yield_s`` seconds before they sleep (while the rank has nothing else to run).");
 
 /* While a window reduction waits for a peer: run the signal handlers (KeyboardInterrupt). */
 static int window_interrupted(void *context) {
@@ -642,11 +642,11 @@ static int window_interrupted(void *context) {
 
 static PyObject *py_window_reduce(PyObject *self, PyObject *args) {
     Py_buffer table, slot, flags;
-    int rank, size, keep_core;
+    int rank, size;
     const char *dtype;
-    double factor, timeout_s;
-    if (!PyArg_ParseTuple(args, "y*w*w*iisddp:window_reduce", &table, &slot, &flags, &rank,
-                          &size, &dtype, &factor, &timeout_s, &keep_core))
+    double factor, timeout_s, yield_s;
+    if (!PyArg_ParseTuple(args, "y*w*w*iisddd:window_reduce", &table, &slot, &flags, &rank,
+                          &size, &dtype, &factor, &timeout_s, &yield_s))
         return NULL;
     PyObject *result = NULL;
     hh_kind kind = summed_kind(dtype);
@@ -667,7 +667,7 @@ static PyObject *py_window_reduce(PyObject *self, PyObject *args) {
     }
     hh_window_job job = {size, rank, table.buf, (size_t)table.len / row_bytes, slot.buf,
                          (size_t)slot.len / (size_t)(size + 1), flags.buf, kind, factor,
-                         timeout_s, keep_core, window_interrupted, NULL};
+                         timeout_s, yield_s, window_interrupted, NULL};
     size_t total = 0;
     for (size_t i = 0; i < job.count; i++)
         total += (size_t)job.table[i * 3 + 2];

@@ -14,14 +14,13 @@
 
 #define ALIGN 64                 /* slice bounds on cache lines, as shm._slice_bounds */
 #define BLOCK ((size_t)64 * 1024) /* bytes summed before they are copied into the result */
-/* How an arrival waits: spinning, then, while the rank keeps its core (keep_core: a thread of
- * it waits for a result, see common/patience.py), sched_yield, which gives the core to any other thread of it without
- * leaving it idle, up to YIELD_S; otherwise (and after that) short sleeps, as
- * backends/waiting.py. A vCPU that sleeps even 20 us comes back slowly: with sleeps from 50 us
- * on, 200 x 16 KiB took 0.12-0.25 ms more per batch than yielding up to 5-10 ms (1.34-1.39
- * against 1.15-1.17 ms, two ranks, alternated). */
+/* How an arrival waits: spinning, then, up to the job's yield_s (nonzero while a thread of the
+ * rank waits for a result, see common/patience.py), sched_yield, which gives the core to any
+ * other thread of it without leaving it idle; after that short sleeps, as backends/waiting.py.
+ * A vCPU that sleeps even 20 us comes back slowly: with sleeps from 50 us on, 200 x 16 KiB took
+ * 0.12-0.25 ms more per batch than yielding up to 5-10 ms (1.34-1.39 against 1.15-1.17 ms, two
+ * ranks, alternated). */
 #define SPIN_S 50e-6
-#define YIELD_S 10e-3            /* as patience.YIELD_S */
 #define SHORT_SLEEP_S 0.01       /* sleeps of 20 us up to here, then of 200 us */
 #define CHECK_EVERY_S 0.1
 
@@ -31,14 +30,14 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void pause_briefly(double waited, int keep_core) {
+static void pause_briefly(double waited, double yield_s) {
     if (waited < SPIN_S) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
         return;
     }
-    if (keep_core && waited < YIELD_S) {
+    if (waited < yield_s) {
         sched_yield();
         return;
     }
@@ -82,7 +81,7 @@ static int arrive(const hh_window_job *job, const char *phase, char *error, size
                 if (job->interrupted(job->context))
                     return -2;
             }
-            pause_briefly(t - start, job->keep_core);
+            pause_briefly(t - start, job->yield_s);
         }
     }
     return 0;

@@ -37,7 +37,7 @@ typedef struct {
     hh_kind kind;           /* HH_F16, HH_BF16, HH_F32 or HH_F64 */
     double factor;          /* applied to the sum */
     double timeout_s;       /* of each arrival; 0: no limit */
-    int keep_core;          /* the rank has nothing else to run: yield rather than sleep */
+    double yield_s;         /* waits yield the core this long before they sleep; 0: at once */
     /* Called every 100 ms while waiting for a peer; nonzero gives up (an interrupt). */
     int (*interrupted)(void *context);
     void *context;

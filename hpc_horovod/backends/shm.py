@@ -155,7 +155,7 @@ class NodeAllreduce:
         self._slot = (slot + 1) % _SLOTS
         try:
             _native.window_reduce(table, self._slots[slot], self._flags, self.rank, self.size,
-                                  dtype.name, factor, timeout_s, patience.keeps_core())
+                                  dtype.name, factor, timeout_s, patience.yield_s())
         except TimeoutError as exc:
             raise HorovodInternalError(
                 f"shared-memory allreduce of {len(inputs)} tensors of {dtype}: {exc}: a peer "

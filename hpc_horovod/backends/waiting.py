@@ -49,7 +49,7 @@ class RequestWaiter:
             self._slack_threads.add(threading.get_ident())
         start = time.perf_counter()
         spin_until = start + 50e-6
-        yield_until = start + patience.YIELD_S if patience.keeps_core() else start
+        yield_until = start + patience.yield_s()
         while not req.Test():
             now = time.perf_counter()
             if now < spin_until:

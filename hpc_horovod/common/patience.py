@@ -38,3 +38,9 @@ waiting_caller = _Caller()
 def keeps_core() -> bool:
     """Whether waits for peers keep the core now: some thread of this rank waits for a result."""
     return _waiting > 0
+
+
+def yield_s() -> float:
+    """How long a wait for peers starting now yields the core before it sleeps: ``YIELD_S``
+    while it keeps the core, else 0."""
+    return YIELD_S if keeps_core() else 0.0

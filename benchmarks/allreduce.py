@@ -209,6 +209,15 @@ class Contenders:
         return to_torch(x)
 
     @staticmethod
+    def _owning_tensors(xs: list[np.ndarray]) -> tuple[list, list[np.ndarray]]:
+        """Tensors holding copies of ``xs`` in memory of their own, and numpy views of it."""
+
+        from hpc_horovod.torch.adapter import engine_array, to_torch
+
+        tensors = [to_torch(x).clone() for x in xs]
+        return tensors, [engine_array(t, "allreduce") for t in tensors]
+
+    @staticmethod
     def _mpi_buffer(x: np.ndarray):
         if x.dtype in (DTYPES["float16"], DTYPES["bfloat16"]):
             return [x.view(np.uint16), MPI.UINT16_T]
@@ -303,15 +312,25 @@ class Contenders:
             cases["hvd numpy in-place, no shared memory"] = (
                 without(in_place, fusion_capacity=None), refill)
         if self.hvd_torch is not None:
-            ts = [self._tensor(x) for x in xs]
-            torch_names = ["t" + n for n in names]
+            # tensors that own their memory, as gradients do (to_torch's bfloat16 is a view)
+            ts, views = self._owning_tensors(xs)
 
-            def torch_run():
-                handles = [self.hvd_torch.allreduce_async(t, op=hvd.Sum, name=n)
-                           for t, n in zip(ts, torch_names)]
-                for h in handles:
-                    self.hvd_torch.synchronize(h)
-            cases["hvd torch"] = (torch_run, refill)
+            def torch_refill():
+                for v, f in zip(views, fills):
+                    np.copyto(v, f)
+
+            def torch_run(submit, prefix: str):
+                tagged = [prefix + name for name in names]
+
+                def run():
+                    handles = [submit(t, op=hvd.Sum, name=n) for t, n in zip(ts, tagged)]
+                    for h in handles:
+                        self.hvd_torch.synchronize(h)
+                return run
+            cases["hvd torch"] = (torch_run(self.hvd_torch.allreduce_async, "t"), torch_refill)
+            # what DistributedOptimizer does with each gradient
+            cases["hvd torch in-place"] = (torch_run(self.hvd_torch.allreduce_async_, "ti"),
+                                           torch_refill)
         op = self._mpi_sum(xs[0].dtype)
         if op is not None:
             flat = np.concatenate(xs)

@@ -1,5 +1,6 @@
 /* Public functions whose common case is C: `hvd.allreduce_async`, `hvd.allreduce_async_` and
- * `hvd.synchronize` on numpy arrays (see entry.c). */
+ * `hvd.synchronize` on numpy arrays, and the same functions of hpc_horovod.torch on CPU tensors
+ * (see entry.c). */
 #ifndef HH_ENTRY_H
 #define HH_ENTRY_H
 

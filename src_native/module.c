@@ -29,6 +29,7 @@
 #include "mpi_ops.h"
 #include "lane.h"
 #include "peer.h"
+#include "torch_view.h"
 #include "window.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
@@ -733,7 +734,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (str_dtype == NULL || str_name == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (hh_lane_register(m) < 0 || hh_entry_register(m) < 0))
+    if (m != NULL && (hh_lane_register(m) < 0 || hh_entry_register(m) < 0 ||
+                      hh_torch_register(m) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -8,6 +8,7 @@ them to the engine; :func:`synchronize` waits and turns the engine's arrays back
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -16,9 +17,14 @@ import torch
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
-from ..common.types import Average, Sum
-from .adapter import engine_array, to_torch, write_back
+from ..common.types import Average, Sum, bfloat16
+from .adapter import SUPPORTED_DTYPES, engine_array, to_torch, write_back
 from .compression import Compression
+
+try:  # optional native fast path (src_native/); the package works without it
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
 
 #: torch handle -> (engine handles, function turning their results into the op's output). The
 #: engine's requests hold the numpy views, which keep the tensors' memory alive until done.
@@ -558,6 +564,31 @@ def _result(req):
 
         stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
     return req.result
+
+
+if _native is not None:
+    # The same three functions with their common case in C (src_native/entry.c and
+    # torch_view.c): a contiguous CPU tensor goes to the engine's lane as a numpy view of its
+    # memory, built from its dtype, address and shape, and its handle is registered here with
+    # a C finishing step; anything else runs the Python functions above. A gradient's way in
+    # and out cost 3-7 us in Python, most of it outside the engine (``tensor.numpy()`` alone
+    # is 1.2 us).
+    _NUMPY_DTYPES = {torch.bfloat16: bfloat16, torch.bool: np.dtype(np.bool_)}
+    _NUMPY_DTYPES.update((t, np.dtype(str(t).removeprefix("torch.")))
+                         for t in SUPPORTED_DTYPES if t not in _NUMPY_DTYPES)
+
+    def _native_entry(kind: str, fallback: Callable, **torch_args) -> Callable:
+        return functools.update_wrapper(
+            _native.Entry(kind, fallback, vars(basics), handle_map=_handle_map, **torch_args),
+            fallback)
+
+    allreduce_async = _native_entry(
+        "allreduce_async", allreduce_async, process_set=global_process_set,
+        tensor_type=torch.Tensor, dtypes=_NUMPY_DTYPES, finish=to_torch)
+    allreduce_async_ = _native_entry(
+        "allreduce_async_", allreduce_async_, process_set=global_process_set,
+        tensor_type=torch.Tensor, dtypes=_NUMPY_DTYPES, finish=write_back)
+    synchronize = _native_entry("synchronize", synchronize)
 
 
 def join(device: int = -1) -> int:

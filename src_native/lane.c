@@ -28,6 +28,8 @@
 #include <string.h>
 #include <structmember.h>
 
+#include "numpy_api.h"
+
 /* ---- Request ------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -165,8 +167,8 @@ typedef struct {
     X(signatures) X(signature_of) X(ndarray) X(wait)
 
 static PyObject *s_closed, *s_sleeping, *s_stopped, *s_raise_if_stopped, *s_claim,
-    *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_allreduce, *s_flags,
-    *s_c_contiguous, *s_writeable, *s_dtype, *s_shape, *s_process_set_id, *s_dict, *s_pending, *s_clear;
+    *s_on_sleeping_engine, *s_fail_leftovers, *s_wait, *s_allreduce, *s_shape, *s_process_set_id,
+    *s_dict, *s_pending, *s_clear;
 static PyObject *average_op, *no_root; /* 0 and -1 */
 
 static int lane_traverse(Lane *self, visitproc visit, void *arg) {
@@ -332,24 +334,9 @@ static PyObject *lane_push(Lane *self, PyObject *req) {
     return push(self, (Request *)req);
 }
 
-/* 1 if attribute `name` of `obj` is true, 0 if not, -1 on error. */
-static int attribute_true(PyObject *obj, PyObject *name) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int truth = value == Py_True ? 1 : PyObject_IsTrue(value);
-    Py_DECREF(value);
-    return truth;
-}
-
-/* The slot of (dtype, shape, type, op, scales), or NULL with an exception set when the shape
- * is not a tuple of ints. */
-static remembered *slot_of(Lane *self, PyObject *dtype, PyObject *shape, PyTypeObject *type,
-                           long op, double prescale, double postscale) {
-    if (!PyTuple_Check(shape)) {
-        PyErr_SetString(PyExc_TypeError, "Lane.allreduce: the array's shape is not a tuple");
-        return NULL;
-    }
+/* The slot of (dtype, shape, type, op, scales). */
+static remembered *slot_of(Lane *self, PyObject *dtype, int nd, const npy_intp *dims,
+                           PyTypeObject *type, long op, double prescale, double postscale) {
     uint64_t h = (uint64_t)(uintptr_t)dtype * 0x9E3779B97F4A7C15ull;
     h ^= (uint64_t)(uintptr_t)type + (uint64_t)op * 0x100000001B3ull;
     uint64_t bits[2];
@@ -357,27 +344,29 @@ static remembered *slot_of(Lane *self, PyObject *dtype, PyObject *shape, PyTypeO
     memcpy(&bits[1], &postscale, sizeof(double));
     h = (h ^ bits[0]) * 0x9E3779B97F4A7C15ull;
     h = (h ^ bits[1]) * 0x9E3779B97F4A7C15ull;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
-        Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
-        if (dim == -1 && PyErr_Occurred())
-            return NULL;
-        h = (h ^ (uint64_t)dim) * 0x9E3779B97F4A7C15ull;
-    }
+    for (int i = 0; i < nd; i++)
+        h = (h ^ (uint64_t)dims[i]) * 0x9E3779B97F4A7C15ull;
     return &self->remembered[(h >> 32) & (REMEMBERED - 1)];
 }
 
+/* Whether the tuple `shape` holds `dims`. */
+static int same_shape(PyObject *shape, int nd, const npy_intp *dims) {
+    if (PyTuple_GET_SIZE(shape) != nd)
+        return 0;
+    for (int i = 0; i < nd; i++)
+        if (PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)) != (Py_ssize_t)dims[i])
+            return 0; /* (a stored shape holds ints: no error to clear) */
+    return 1;
+}
+
 /* The signature `slot` remembers for these arguments (borrowed), or NULL (none, no error). */
-static PyObject *recall(remembered *slot, PyObject *dtype, PyObject *shape, PyTypeObject *type,
-                        long op, double prescale, double postscale) {
+static PyObject *recall(remembered *slot, PyObject *dtype, int nd, const npy_intp *dims,
+                        PyTypeObject *type, long op, double prescale, double postscale) {
     if (slot->signature == NULL || slot->dtype != dtype || slot->type != type || slot->op != op ||
         memcmp(&slot->prescale, &prescale, sizeof(double)) != 0 ||
-        memcmp(&slot->postscale, &postscale, sizeof(double)) != 0)
+        memcmp(&slot->postscale, &postscale, sizeof(double)) != 0 ||
+        !same_shape(slot->shape, nd, dims))
         return NULL;
-    int same = slot->shape == shape ? 1 : PyObject_RichCompareBool(slot->shape, shape, Py_EQ);
-    if (same <= 0) {
-        PyErr_Clear(); /* tuples of ints: cannot fail, and a failure only means "not here" */
-        return NULL;
-    }
     return slot->signature;
 }
 
@@ -411,37 +400,32 @@ PyObject *hh_lane_allreduce(PyObject *lane, PyObject *tensor, PyObject *name, Py
     PyObject *ps_id = PyObject_GetAttr(process_set, s_process_set_id);
     if (ps_id == NULL)
         return NULL;
-    PyObject *result = NULL, *flags = NULL, *dtype = NULL, *shape = NULL, *key = NULL,
-             *signature = NULL;
+    PyObject *result = NULL, *shape = NULL, *key = NULL, *signature = NULL;
     Request *req = NULL;
     if (ps_id == Py_None)
         goto python;
-    if ((flags = PyObject_GetAttr(tensor, s_flags)) == NULL)
-        goto done;
-    int usable = attribute_true(flags, s_c_contiguous);
-    if (usable > 0 && in_place)
-        usable = attribute_true(flags, s_writeable);
-    if (usable < 0)
-        goto done;
-    if (!usable)
+    /* Read through numpy's C API: the attributes `flags` and `shape` build objects each time. */
+    PyArrayObject *array = (PyArrayObject *)tensor;
+    int flags = PyArray_FLAGS(array);
+    if (!(flags & NPY_ARRAY_C_CONTIGUOUS) || (in_place && !(flags & NPY_ARRAY_WRITEABLE)))
         goto python;
-    if ((dtype = PyObject_GetAttr(tensor, s_dtype)) == NULL ||
-        (shape = PyObject_GetAttr(tensor, s_shape)) == NULL)
-        goto done;
+    PyObject *dtype = (PyObject *)PyArray_DESCR(array); /* borrowed */
+    int nd = PyArray_NDIM(array);
+    const npy_intp *dims = PyArray_DIMS(array);
     long op_value = PyLong_AsLong(op);
     if (op_value == -1 && PyErr_Occurred()) {
         PyErr_Clear(); /* no such op: the Python path names it */
         goto python;
     }
     double pre = PyFloat_AS_DOUBLE(prescale), post = PyFloat_AS_DOUBLE(postscale);
-    remembered *slot = slot_of(self, dtype, shape, Py_TYPE(tensor), op_value, pre, post);
-    if (slot == NULL)
-        goto done;
-    signature = recall(slot, dtype, shape, Py_TYPE(tensor), op_value, pre, post);
+    remembered *slot = slot_of(self, dtype, nd, dims, Py_TYPE(tensor), op_value, pre, post);
+    signature = recall(slot, dtype, nd, dims, Py_TYPE(tensor), op_value, pre, post);
     if (signature != NULL) {
         Py_INCREF(signature);
     } else {
         /* request.signature_of's interned signatures: its key, then the function itself */
+        if ((shape = PyObject_GetAttr(tensor, s_shape)) == NULL)
+            goto done;
         key = PyTuple_Pack(8, s_allreduce, dtype, shape, op, no_root, prescale, postscale,
                            (PyObject *)Py_TYPE(tensor));
         if (key == NULL)
@@ -467,8 +451,6 @@ done:
     Py_XDECREF(signature);
     Py_XDECREF(key);
     Py_XDECREF(shape);
-    Py_XDECREF(dtype);
-    Py_XDECREF(flags);
     Py_DECREF(ps_id);
     return result;
 }
@@ -729,10 +711,6 @@ int hh_lane_register(PyObject *module) {
         {&s_fail_leftovers, "_fail_leftovers"},
         {&s_wait, "wait"},
         {&s_allreduce, "allreduce"},
-        {&s_flags, "flags"},
-        {&s_c_contiguous, "c_contiguous"},
-        {&s_writeable, "writeable"},
-        {&s_dtype, "dtype"},
         {&s_shape, "shape"},
         {&s_process_set_id, "process_set_id"},
         {&s_dict, "__dict__"},

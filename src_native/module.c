@@ -17,11 +17,17 @@
  *   Request, Lane               the per-tensor path of submissions (lane.h)
  *   Entry                       public functions with their common case in C (entry.h)
  *
- * Only the CPython C API and the buffer protocol are used. bfloat16 arrays (ml_dtypes) export no
- * buffer format, so they are recognised by their dtype's name.
+ *   TorchResult                 how an async op on a torch CPU tensor ends (torch_view.h)
+ *
+ * The buffer protocol reads arrays; numpy's C API builds the views of torch tensors and reads
+ * the submissions' arrays (numpy_api.h). bfloat16 arrays (ml_dtypes) export no buffer format,
+ * so they are recognised by their dtype's name.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#define HH_NUMPY_IMPORT /* this file loads numpy's C API */
+#include "numpy_api.h"
 
 #include "convert.h"
 #include "entry.h"
@@ -728,6 +734,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    import_array();
     hh_kernels_init();
     str_dtype = PyUnicode_InternFromString("dtype");
     str_name = PyUnicode_InternFromString("name");

@@ -9,11 +9,11 @@
  * uncommon (another device, a view, a non-contiguous or empty tensor, a dtype the engine does
  * not reduce) is left to the Python path, which keeps every rule and every message.
  */
-#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "torch_view.h"
 
-#include <numpy/arrayobject.h>
 #include <stddef.h>
+
+#include "numpy_api.h"
 
 /* numpy 1.x allows 32 dimensions, numpy 2 64: the smaller is enough for a tensor */
 #define MAX_DIMS 32
@@ -174,7 +174,6 @@ static PyTypeObject TorchResultType = {
 };
 
 int hh_torch_register(PyObject *module) {
-    import_array1(-1);
     if ((s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
         (s_is_cpu = PyUnicode_InternFromString("is_cpu")) == NULL ||
         (s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) == NULL ||

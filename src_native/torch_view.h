@@ -6,7 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* Add the type TorchResult to `module` and load numpy's C API; 0, or -1 with an exception set. */
+/* Add the type TorchResult to `module`; 0, or -1 with an exception set. */
 int hh_torch_register(PyObject *module);
 
 /* A writable numpy array over the memory of `tensor` (new reference), which it keeps alive, or

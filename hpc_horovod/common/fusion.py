@@ -113,10 +113,11 @@ class FusedAllreduce:
     its result view back.
     """
 
-    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat")
+    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat", "_reduction")
 
     def __init__(self, sigs: list[Signature]):
         self.sig = sigs[0]
+        self._reduction: tuple | None = None  # see reduction()
         self.shapes = [s.shape for s in sigs]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.bounds, offset = [], 0
@@ -131,10 +132,7 @@ class FusedAllreduce:
         share: it contributes zeros. ``writes_back``: every rank agreed that all its requests
         write their results into outputs, none handed out as views of the fusion buffer."""
         sig = self.sig
-        dtype = np.dtype(sig.dtype)
-        op = Sum if sig.op == Average else sig.op
-        wire = wire_dtype(dtype, sig.op, sig.device)
-        pre, post = scale_factors(sig, backend.size)
+        dtype, op, wire, pre, post = self.reduction(backend.size)
         if sig.device:
             _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
             return
@@ -182,6 +180,18 @@ class FusedAllreduce:
             for req, (a, b), shape in zip(reqs, self.bounds, self.shapes):
                 if req is not None:
                     req.result = buf[a:b].reshape(shape)
+
+    def reduction(self, size: int) -> tuple[np.dtype, int, np.dtype, float, float]:
+        """(dtype, op on the wire, wire dtype, pre factor, post factor) with ``size`` ranks;
+        computed once per size, since a cached plan runs this group every step."""
+        cached = self._reduction
+        if cached is None or cached[0] != size:
+            sig = self.sig
+            dtype = np.dtype(sig.dtype)
+            cached = self._reduction = (
+                size, dtype, Sum if sig.op == Average else sig.op,
+                wire_dtype(dtype, sig.op, sig.device), *scale_factors(sig, size))
+        return cached[1:]
 
     def _sum_across(self, sum_across, reqs, dtype: np.dtype, factor: float,
                     writes_back: bool) -> None:

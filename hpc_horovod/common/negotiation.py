@@ -114,21 +114,20 @@ class ResponseCache:
             self.generation += 1
 
 
+_WORD = (1 << 64) - 1
+
+
 def pack_words(or_flags: int, and_flags: int, bits: int, nwords: int) -> np.ndarray:
-    """The negotiation vector: inverted OR flags, AND flags, then the cache bits."""
-    words = np.empty(2 + nwords, dtype=np.uint64)
-    words[0] = ~np.uint64(or_flags)
-    words[1] = and_flags
-    if nwords:
-        words[2:] = np.frombuffer(bits.to_bytes(8 * nwords, "little"), dtype=np.uint64)
-    return words
+    """The negotiation vector: inverted OR flags, AND flags, then the cache bits (a writable
+    array of ``2 + nwords`` little-endian words, built from one integer: a cycle's Python runs
+    on cold caches, where every numpy call counts)."""
+    value = (bits << 128) | (and_flags << 64) | (~or_flags & _WORD)
+    return np.frombuffer(bytearray(value.to_bytes(8 * (2 + nwords), "little")), dtype="<u8")
 
 
 def unpack_words(words: np.ndarray) -> tuple[int, int, int]:
-    or_flags = int(~words[0])
-    and_flags = int(words[1])
-    bits = int.from_bytes(words[2:].tobytes(), "little") if len(words) > 2 else 0
-    return or_flags, and_flags, bits
+    value = int.from_bytes(words.tobytes(), "little")
+    return ~value & _WORD, (value >> 64) & _WORD, value >> 128
 
 
 def iter_bits(mask: int):

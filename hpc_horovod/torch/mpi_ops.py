@@ -4,6 +4,8 @@ autograd functions whose gradients are the matching collectives.
 
 Every op turns its tensors into numpy views (``adapter``), builds the core's requests and hands
 them to the engine; :func:`synchronize` waits and turns the engine's arrays back into tensors.
+With the native extension, ``allreduce_async``, ``allreduce_async_`` and ``synchronize`` do
+that in C for contiguous CPU tensors (see the end of this module).
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_remembered_signatures_are_signature_ofs(lane_engine):
     lane, ps = lane_engine.lane, global_process_set
     combos = [(dtype, shape, op, pre, post)
               for dtype in (np.float32, np.float64, np.int32)
-              for shape in ((4,), (2, 2), (4, 1), (5,))
+              for shape in ((4,), (2, 2), (4, 1), (5,), (), (1,), (2, 1, 2), (1, 2, 2))
               for op in (None, Sum, 3)
               for pre, post in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.5), (-0.0, 1.0), (0.0, 1.0))]
     for rep in range(2):  # the second time, from memory
@@ -152,6 +152,7 @@ def test_allreduce_leaves_the_uncommon_cases_to_python(lane_engine):
     cases = [
         ([1.0, 2.0], "a", None, 1.0, 1.0, ps, False),  # not an ndarray
         (np.ones((4, 4))[:, 0], "b", None, 1.0, 1.0, ps, False),  # not contiguous
+        (np.asfortranarray(np.ones((3, 4))), "f", None, 1.0, 1.0, ps, False),  # Fortran order
         (read_only, "c", None, 1.0, 1.0, ps, True),  # in place into a read-only array
         (x, None, None, 1.0, 1.0, ps, False),  # a generated name
         (x, "d", None, 2, 1.0, ps, False),  # an int scale

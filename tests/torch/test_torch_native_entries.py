@@ -175,3 +175,19 @@ def test_submissions_never_let_go_of_the_gil(name):
         sys.setswitchinterval(interval)
     for handle in handles:
         hvd.synchronize(handle)
+
+
+@pytest.mark.usefixtures("single")
+@pytest.mark.filterwarnings("ignore:Parameter `average` has been replaced")
+@pytest.mark.parametrize("kwargs", [{}, {"average": False}, {"prescale_factor": 2},
+                                    {"name": "positional"}])
+def test_arguments_the_lane_does_not_take_run_the_python_function(kwargs):
+    """No name (a generated one), ``average=``, an int scale: the Python function's result."""
+    tensor = torch.arange(4.0)
+    if kwargs.get("name"):
+        handle = hvd.allreduce_async(tensor, None, kwargs["name"], hvd.Sum)
+    else:
+        handle = hvd.allreduce_async(tensor, **kwargs)
+    expected = tensor * (2 if "prescale_factor" in kwargs else 1)
+    assert torch.equal(hvd.synchronize(handle), expected)
+    assert mpi_ops._handle_map == {}

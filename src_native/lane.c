@@ -92,6 +92,8 @@ static Request *make_request(PyObject *name, PyObject *tensor, PyObject *signatu
     req->output = Py_NewRef(output);
     req->splits = Py_NewRef(splits);
     req->key = key;
+    /* An op with an output returns it: its result is known from the start (read once done). */
+    req->result = output != Py_None ? Py_NewRef(output) : NULL;
     return req;
 }
 

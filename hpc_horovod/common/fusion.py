@@ -200,10 +200,8 @@ class FusedAllreduce:
         views of one fresh buffer. ``writes_back``: as in ``__call__``, which also means that
         every request here has an output."""
         if writes_back and None not in reqs:  # every request has an output: a gradient step
-            outputs = list(map(_output_of, reqs))
-            sum_across(list(map(_tensor_of, reqs)), outputs, dtype, factor)
-            for req, out in zip(reqs, outputs):
-                req.result = out
+            # (a request's result is its output from the start: see Request)
+            sum_across(list(map(_tensor_of, reqs)), list(map(_output_of, reqs)), dtype, factor)
             return
         inputs, outputs, fresh = [], [], None
         for req, n, (a, b) in zip(reqs, self.sizes, self.bounds):

@@ -73,7 +73,8 @@ class Request:
         # when the result is written (hpc_horovod.backends.nccl.ready_event / done_event).
         self.ready_event = None
         self.done_event = None
-        self.result = None
+        # An op with an output returns it: its result is known from the start (read once done).
+        self.result = output
         self.error: BaseException | None = None
         self.done = False
         # submitted_at: set when the engine admits it (the stall check's clock)

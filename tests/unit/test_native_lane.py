@@ -55,6 +55,7 @@ def test_the_request_type_is_the_native_one_with_python_defaults():
         req.anything = 1  # fixed fields, as the Python class's __slots__
     other = _native.Request(name="h", tensor=None, signature=sig, process_set_id=3, output=x)
     assert other.key == (3, "h") and other.output is x
+    assert other.result is x  # an op with an output returns it, as the Python class says
 
 
 def test_requests_in_a_reference_cycle_are_collected():

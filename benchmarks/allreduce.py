@@ -272,13 +272,13 @@ class Contenders:
             for x, f in zip(xs, fills):
                 np.copyto(x, f)
 
-        def ours(submit, prefix: str):
+        def ours(submit, prefix: str, tensors=xs, synchronize=hvd.synchronize):
             # names made once, as a training loop's are: the loop measures the library
             tagged = [prefix + name for name in names]
 
             def run():
-                for h in [submit(x, name) for x, name in zip(xs, tagged)]:
-                    hvd.synchronize(h)
+                for h in [submit(t, name) for t, name in zip(tensors, tagged)]:
+                    synchronize(h)
             return run
 
         backend = basics._require().engine.backend
@@ -320,13 +320,8 @@ class Contenders:
                     np.copyto(v, f)
 
             def torch_run(submit, prefix: str):
-                tagged = [prefix + name for name in names]
-
-                def run():
-                    handles = [submit(t, op=hvd.Sum, name=n) for t, n in zip(ts, tagged)]
-                    for h in handles:
-                        self.hvd_torch.synchronize(h)
-                return run
+                return ours(lambda t, n: submit(t, op=hvd.Sum, name=n), prefix, ts,
+                            self.hvd_torch.synchronize)
             cases["hvd torch"] = (torch_run(self.hvd_torch.allreduce_async, "t"), torch_refill)
             # what DistributedOptimizer does with each gradient
             cases["hvd torch in-place"] = (torch_run(self.hvd_torch.allreduce_async_, "ti"),

@@ -4,14 +4,66 @@ rank's output when any rank fails or the job does not finish in time."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: variables that make ``init`` join a launcher's job instead of starting one of size 1
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
+
+
+def leave_launchers(monkeypatch) -> None:
+    """Remove every launcher's variables for this test: ``init`` starts a job of size 1."""
+    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
+        monkeypatch.delenv(key)
+
+
+@contextlib.contextmanager
+def single_process_job(hvd, monkeypatch):
+    """``hvd`` initialized as a job of size 1 (no MPI), shut down afterwards whatever the test
+    did."""
+    leave_launchers(monkeypatch)
+    hvd.shutdown()
+    hvd.init()
+    try:
+        yield hvd
+    finally:
+        hvd.shutdown()
+
+
+def without_letting_go_of_the_gil(fn: Callable):
+    """``fn()``, failing the test if it lets another Python thread run: a submission that
+    releases the GIL lets the engine thread run a cycle in the middle of a batch of gradients.
+    The switch interval is raised so that no forced switch happens meanwhile."""
+    turns, stop = [0], threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    thread = threading.Thread(target=other_thread)
+    try:
+        thread.start()
+        time.sleep(0.001)  # the control: a call that lets go of the GIL lets the thread run
+        before = turns[0]
+        assert before > 0
+        result = fn()
+        assert turns[0] == before, "the call let another thread run: it released the GIL"
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    return result
 
 
 def mpi_env(extra: dict | None = None) -> dict:

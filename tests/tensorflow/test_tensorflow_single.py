@@ -3,7 +3,6 @@ the wrappers' argument checks, the errors, and the Keras optimizer's class and s
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -12,24 +11,19 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+from support import single_process_job  # noqa: E402
+
 import hpc_horovod.keras as hvd_keras_alias  # noqa: E402
 import hpc_horovod.tensorflow as hvd  # noqa: E402
 import hpc_horovod.tensorflow.keras as hvd_keras  # noqa: E402
 from hpc_horovod.tensorflow.gradients import GradientReducer  # noqa: E402
 from hpc_horovod.tensorflow.mpi_ops import _graph_name  # noqa: E402
 
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_")
-
 
 @pytest.fixture
 def single(monkeypatch):
-    """An initialized size-1 job, shut down afterwards whatever the test did."""
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
-    hvd.shutdown()
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
+    with single_process_job(hvd, monkeypatch) as job:
+        yield job
 
 
 def both_modes(fn):

@@ -8,9 +8,6 @@ Python functions behind them (``__wrapped__``) give, and leave them everything e
 from __future__ import annotations
 
 import inspect
-import os
-import sys
-import threading
 import time
 
 import numpy as np
@@ -19,11 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 _native = pytest.importorskip("hpc_horovod._native")
 
+from support import single_process_job, without_letting_go_of_the_gil  # noqa: E402
+
 import hpc_horovod.torch as hvd  # noqa: E402
 from hpc_horovod.torch import mpi_ops  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_")
 ENTRIES = ["allreduce_async", "allreduce_async_", "synchronize"]
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64]
@@ -31,12 +29,8 @@ DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 
 @pytest.fixture
 def single(monkeypatch):
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
-    hvd.shutdown()
-    hvd.init()
-    yield
-    hvd.shutdown()
+    with single_process_job(hvd, monkeypatch) as job:
+        yield job
 
 
 def python(name: str):
@@ -153,26 +147,8 @@ def test_submissions_never_let_go_of_the_gil(name):
     submit = getattr(hvd, name)
     tensors = [torch.ones(64) for _ in range(100)]
     hvd.synchronize(submit(torch.ones(64), name="warm-up", op=hvd.Sum))
-    turns, stop = [0], threading.Event()
-
-    def other_thread() -> None:
-        while not stop.is_set():
-            turns[0] += 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)  # no forced switch within the loop below
-    thread = threading.Thread(target=other_thread)
-    try:
-        thread.start()
-        time.sleep(0.001)  # the control: a call that lets go of the GIL lets the thread run
-        before = turns[0]
-        assert before > 0
-        handles = [submit(t, name=f"gil.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
-        assert turns[0] == before
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(interval)
+    handles = without_letting_go_of_the_gil(
+        lambda: [submit(t, name=f"gil.{i}", op=hvd.Sum) for i, t in enumerate(tensors)])
     for handle in handles:
         hvd.synchronize(handle)
 

@@ -3,29 +3,22 @@ views, the API's shapes and errors, and the optimizer wrapper's checks."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from support import single_process_job, without_letting_go_of_the_gil  # noqa: E402
+
 import hpc_horovod.torch as hvd  # noqa: E402
 from hpc_horovod.common.types import bfloat16  # noqa: E402
 from hpc_horovod.torch.adapter import engine_array, to_torch, write_back  # noqa: E402
 
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_")
-
 
 @pytest.fixture
 def single(monkeypatch):
-    """An initialized size-1 job, shut down afterwards whatever the test did."""
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
-    hvd.shutdown()
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
+    with single_process_job(hvd, monkeypatch) as job:
+        yield job
 
 
 # -- adapter --------------------------------------------------------------------------------------
@@ -264,32 +257,10 @@ def test_synchronous_ops_run_their_own_cycles(leaves_engine_asleep, call):
 def test_engine_views_never_let_go_of_the_gil(dtype):
     """A submission that releases the GIL lets the engine thread run a cycle in the middle of a
     batch of gradients (bfloat16's did, through ``tensor.view(torch.int16)``)."""
-    import sys
-    import threading
-    import time
-
     tensors = [torch.ones(64, dtype=dtype) for _ in range(100)]
     engine_array(tensors[0], "allreduce")  # first calls may initialize things, GIL released
-    turns, stop = [0], threading.Event()
-
-    def other_thread() -> None:
-        while not stop.is_set():
-            turns[0] += 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)  # no forced switch within the loop below
-    thread = threading.Thread(target=other_thread)
-    try:
-        thread.start()
-        time.sleep(0.001)  # the control: a call that lets go of the GIL lets the thread run
-        before = turns[0]
-        assert before > 0
-        views = [engine_array(t, "allreduce") for t in tensors]
-        assert turns[0] == before
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(interval)
+    views = without_letting_go_of_the_gil(
+        lambda: [engine_array(t, "allreduce") for t in tensors])
     expected = bfloat16 if dtype == torch.bfloat16 else np.dtype(str(dtype).split(".")[1])
     assert all(v.dtype == expected and v.ctypes.data == t.data_ptr()
                for v, t in zip(views, tensors))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import LAUNCHER_PREFIXES, leave_launchers, single_process_job
 
 import hpc_horovod as hvd
 from hpc_horovod.common import basics, ops
@@ -20,7 +21,6 @@ from hpc_horovod.common.errors import NOT_INITIALIZED, HorovodInternalError
 from hpc_horovod.common.types import SUPPORTED_DTYPES, bfloat16
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
 NUMERIC = [d for d in SUPPORTED_DTYPES if d != np.bool_]
 
 
@@ -32,13 +32,8 @@ def clean_env(extra: dict | None = None) -> dict:
 
 @pytest.fixture
 def single(monkeypatch):
-    """An initialized size-1 job, shut down afterwards whatever the test did."""
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
-    hvd.shutdown()
-    hvd.init()
-    yield hvd
-    hvd.shutdown()
+    with single_process_job(hvd, monkeypatch) as job:
+        yield job
 
 
 def values(dtype, shape=(3, 4)) -> np.ndarray:
@@ -140,8 +135,7 @@ def test_queries(single):
 
 def test_one_task_batch_job_runs_single(monkeypatch):
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_PROCID", "0")
@@ -154,8 +148,7 @@ def test_one_task_batch_job_runs_single(monkeypatch):
 
 def test_multi_task_batch_script_refuses_to_init(monkeypatch):
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_PROCID", "0")
@@ -438,8 +431,7 @@ def test_many_unnamed_ops_in_flight(single):
 # -- process sets ---------------------------------------------------------------------------------
 def test_static_process_set(monkeypatch):
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     ps = hvd.ProcessSet([0])
     hvd.init(process_sets=[ps])
     try:
@@ -461,8 +453,7 @@ def test_process_set_validation(monkeypatch):
     with pytest.raises(ValueError, match="distinct ranks"):
         hvd.ProcessSet([])
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     with pytest.raises(ValueError, match=r"ranks \[3\] are outside the job of size 1"):
         hvd.init(process_sets=[hvd.ProcessSet([0, 3])])
     hvd.shutdown()
@@ -470,8 +461,7 @@ def test_process_set_validation(monkeypatch):
 
 def test_dynamic_process_sets(monkeypatch):
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
     hvd.init()
     try:
@@ -495,8 +485,7 @@ def test_timeline_in_one_process(monkeypatch, tmp_path):
     import json
 
     hvd.shutdown()
-    for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(key)
+    leave_launchers(monkeypatch)
     path = tmp_path / "sub" / "timeline.json"
     monkeypatch.setenv("HOROVOD_TIMELINE", str(path))
     hvd.init()

@@ -19,6 +19,9 @@ from ..common.types import bfloat16
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
+#: the numpy dtype of each supported torch dtype's engine view (bfloat16: ml_dtypes')
+NUMPY_DTYPES = {t: bfloat16 if t == torch.bfloat16 else np.dtype(str(t).removeprefix("torch."))
+                for t in SUPPORTED_DTYPES}
 
 
 def check_tensor(tensor, op_name: str) -> None:

@@ -19,8 +19,8 @@ import torch
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
-from ..common.types import Average, Sum, bfloat16
-from .adapter import SUPPORTED_DTYPES, engine_array, to_torch, write_back
+from ..common.types import Average, Sum
+from .adapter import NUMPY_DTYPES, engine_array, to_torch, write_back
 from .compression import Compression
 
 try:  # optional native fast path (src_native/); the package works without it
@@ -575,10 +575,6 @@ if _native is not None:
     # a C finishing step; anything else runs the Python functions above. A gradient's way in
     # and out cost 3-7 us in Python, most of it outside the engine (``tensor.numpy()`` alone
     # is 1.2 us).
-    _NUMPY_DTYPES = {torch.bfloat16: bfloat16, torch.bool: np.dtype(np.bool_)}
-    _NUMPY_DTYPES.update((t, np.dtype(str(t).removeprefix("torch.")))
-                         for t in SUPPORTED_DTYPES if t not in _NUMPY_DTYPES)
-
     def _native_entry(kind: str, fallback: Callable, **torch_args) -> Callable:
         return functools.update_wrapper(
             _native.Entry(kind, fallback, vars(basics), handle_map=_handle_map, **torch_args),
@@ -586,10 +582,10 @@ if _native is not None:
 
     allreduce_async = _native_entry(
         "allreduce_async", allreduce_async, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=_NUMPY_DTYPES, finish=to_torch)
+        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=to_torch)
     allreduce_async_ = _native_entry(
         "allreduce_async_", allreduce_async_, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=_NUMPY_DTYPES, finish=write_back)
+        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=write_back)
     synchronize = _native_entry("synchronize", synchronize)
 
 

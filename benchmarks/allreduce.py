@@ -286,7 +286,8 @@ class Contenders:
         def without(run, **attributes):
             # the same op with parts of the node's shared memory off: fusion_capacity=None is
             # what HOROVOD_SHM_DISABLE=1 gives (MPI only); sums_in_window=False sends the group
-            # through the peers' memory instead of the window's native sums
+            # through the peers' memory instead of the window's native sums; both take the
+            # window from the engine (window=None), which otherwise sums such groups whole
             def run_without():
                 saved = {name: getattr(backend, name) for name in attributes}
                 for name, value in attributes.items():
@@ -307,10 +308,10 @@ class Contenders:
         in_place = cases["hvd numpy in-place"][0]
         if getattr(backend, "sums_in_window", None) is not None:
             cases["hvd numpy in-place, peers' memory instead of the window"] = (
-                without(in_place, sums_in_window=lambda dtype: False), refill)
+                without(in_place, sums_in_window=lambda dtype: False, window=None), refill)
         if getattr(backend, "fusion_capacity", None):
             cases["hvd numpy in-place, no shared memory"] = (
-                without(in_place, fusion_capacity=None), refill)
+                without(in_place, fusion_capacity=None, window=None), refill)
         if self.hvd_torch is not None:
             # tensors that own their memory, as gradients do (to_torch's bfloat16 is a view)
             ts, views = self._owning_tensors(xs)

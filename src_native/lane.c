@@ -17,6 +17,9 @@
  *     .cache_bits(pending, entries) -> (bits, uncached, writes_back)
  *                                        the response cache's bits of the pending requests
  *     .complete(group)                   mark a group's requests done, forget their names
+ *     .sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s) -> bool
+ *                                        a fused float sum of group[start:stop] through the
+ *                                        node's window (window_object.h), completed
  *
  * Whatever is uncommon (errors, a closed or sleeping engine, a signature not seen before) calls
  * back into the engine's Python, so the messages and the rules stay in one place.
@@ -29,6 +32,7 @@
 #include <structmember.h>
 
 #include "numpy_api.h"
+#include "window_object.h"
 
 /* ---- Request ------------------------------------------------------------------------------- */
 
@@ -657,6 +661,69 @@ static PyObject *lane_complete(Lane *self, PyObject *group) {
     Py_RETURN_NONE;
 }
 
+/* Row i of `rows` from request `item` when the window can sum it as it is: a Request whose
+ * output (its tensor, in place) is a writable C-contiguous numpy array the size of its tensor,
+ * also one. 1 if so, 0 if not. */
+static int window_row(PyObject *item, uint64_t *row) {
+    if (Py_TYPE(item) != &RequestType)
+        return 0;
+    Request *req = (Request *)item;
+    PyObject *in = req->tensor, *out = req->output;
+    if (in == NULL || out == NULL || !PyArray_Check(in) || !PyArray_Check(out))
+        return 0;
+    PyArrayObject *a = (PyArrayObject *)in, *b = (PyArrayObject *)out;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISWRITEABLE(b) ||
+        PyArray_NBYTES(a) != PyArray_NBYTES(b))
+        return 0;
+    row[0] = (uint64_t)(uintptr_t)PyArray_DATA(a);
+    row[1] = (uint64_t)(uintptr_t)PyArray_DATA(b);
+    row[2] = (uint64_t)PyArray_NBYTES(a);
+    return 1;
+}
+
+static PyObject *lane_sum_in_window(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyList_CheckExact(args[1]) || !PyUnicode_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "Lane.sum_in_window(window, group: list, start, stop, "
+                        "dtype: str, factor, timeout_s, yield_s)");
+        return NULL;
+    }
+    PyObject *window = args[0], *group = args[1];
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    double factor = PyFloat_AsDouble(args[5]), timeout_s = PyFloat_AsDouble(args[6]),
+           yield_s = PyFloat_AsDouble(args[7]);
+    const char *dtype = PyUnicode_AsUTF8(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    hh_kind kind = hh_summed_kind(dtype);
+    if (kind == HH_RAW) {
+        PyErr_Format(PyExc_TypeError, "Lane.sum_in_window: no sum of %s", dtype);
+        return NULL;
+    }
+    if (start < 0 || stop > PyList_GET_SIZE(group) || stop <= start) {
+        PyErr_Format(PyExc_IndexError, "Lane.sum_in_window: [%zd, %zd) of a group of %zd", start,
+                     stop, PyList_GET_SIZE(group));
+        return NULL;
+    }
+    uint64_t *rows = hh_window_rows(window, (size_t)(stop - start));
+    if (rows == NULL)
+        return NULL;
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (!window_row(PyList_GET_ITEM(group, i), rows + (i - start) * 3))
+            Py_RETURN_FALSE; /* nothing done: the Python path takes the group */
+    if (hh_window_sum(window, (size_t)(stop - start), kind, factor, timeout_s, yield_s) < 0)
+        return NULL; /* the requests stay in flight: the engine fails them as it stops */
+    for (Py_ssize_t i = start; i < stop; i++) {
+        Request *req = (Request *)PyList_GET_ITEM(group, i);
+        if (PyDict_DelItem(self->inflight, req->key) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                return NULL;
+            PyErr_Clear();
+        }
+        req->done = 1;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef lane_methods[] = {
     {"push", (PyCFunction)lane_push, METH_O,
      "push(request) -> int\n\nEngine.submit: claim the name, queue the request, wake the "
@@ -681,6 +748,12 @@ static PyMethodDef lane_methods[] = {
     {"complete", (PyCFunction)lane_complete, METH_O,
      "complete(group) -> None\n\nMark the group's requests done (None entries skipped) and "
      "forget their names."},
+    {"sum_in_window", (PyCFunction)(void (*)(void))lane_sum_in_window, METH_FASTCALL,
+     "sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s) -> bool\n\n"
+     "Sum group[start:stop] (requests of one agreed fused group) across the node through "
+     "``window`` (a Window) as Window.sum does, the requests' tensors in, their outputs out, "
+     "then complete them. False, having done nothing, when a request is not one the window "
+     "takes as it is (no output, not a C-contiguous numpy array, None for a joined rank)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,8 +12,8 @@
  *   peer_table(inputs, outputs, table),
  *   peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch)
  *                               a fused allreduce through the peers' own memory (peer.h)
- *   window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, yield_s)
- *                               a fused allreduce through the node's shared window (window.h)
+ *   Window                      fused allreduces through the node's shared window
+ *                               (window_object.h, window.h)
  *   Request, Lane               the per-tensor path of submissions (lane.h)
  *   Entry                       public functions with their common case in C (entry.h)
  *
@@ -36,7 +36,7 @@
 #include "lane.h"
 #include "peer.h"
 #include "torch_view.h"
-#include "window.h"
+#include "window_object.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
  * get it back (up to the 5 ms switch interval when that thread is busy). */
@@ -405,14 +405,6 @@ static PyObject *py_use_kernels(PyObject *self, PyObject *arg) {
 }
 
 /* The kind the native sums take for a dtype name, or HH_RAW for none. */
-static hh_kind summed_kind(const char *dtype) {
-    return strcmp(dtype, "float32") == 0    ? HH_F32
-           : strcmp(dtype, "float64") == 0  ? HH_F64
-           : strcmp(dtype, "float16") == 0  ? HH_F16
-           : strcmp(dtype, "bfloat16") == 0 ? HH_BF16
-                                            : HH_RAW;
-}
-
 /* ---- cross-memory reduction (peer.h) ------------------------------------------------------- */
 
 PyDoc_STRVAR(peer_allow_doc,
@@ -561,7 +553,7 @@ static PyObject *py_peer_reduce(PyObject *self, PyObject *args) {
     if (seq == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    hh_kind kind = summed_kind(dtype);
+    hh_kind kind = hh_summed_kind(dtype);
     size_t row_bytes = 3 * sizeof(uint64_t);
     if (kind == HH_RAW) {
         PyErr_Format(PyExc_TypeError, "peer_reduce: no sum of %s (float16, bfloat16, float32 or "
@@ -625,81 +617,6 @@ static PyObject *py_peer_chunk(PyObject *self, PyObject *unused) {
     return PyLong_FromSize_t(HH_PEER_CHUNK);
 }
 
-/* ---- reduction through the shared window (window.h) --------------------------------------- */
-
-PyDoc_STRVAR(window_reduce_doc,
-"window_reduce(table, slot, flags, rank, size, dtype, factor, timeout_s, yield_s) -> None\n\n"
-"A Sum over the ``size`` ranks of one node of the group that ``table`` (a peer_table of this\n"
-"rank's inputs and outputs) describes, through ``slot``: ``size`` segments then the result, of\n"
-"len(slot) / (size + 1) bytes each, in memory every rank maps. ``flags``: the ranks' int64\n"
-"arrival counters, 8 apart, also shared and zero at first. Every rank calls it with its own\n"
-"table; outputs[i] = factor x (sum over ranks of inputs[i]), in rank order (float16/bfloat16\n"
-"in float32, rounded once). Raises TimeoutError naming the ranks that did not arrive within\n"
-"``timeout_s`` (0: no limit); a signal's exception stops the wait. Waits yield the core for\n"
-"``yield_s`` seconds before they sleep (while the rank has nothing else to run).");
-
-/* While a window reduction waits for a peer: run the signal handlers (KeyboardInterrupt). */
-static int window_interrupted(void *context) {
-    PyThreadState **saved = context;
-    PyEval_RestoreThread(*saved);
-    int raised = PyErr_CheckSignals() != 0;
-    *saved = PyEval_SaveThread();
-    return raised;
-}
-
-static PyObject *py_window_reduce(PyObject *self, PyObject *args) {
-    Py_buffer table, slot, flags;
-    int rank, size;
-    const char *dtype;
-    double factor, timeout_s, yield_s;
-    if (!PyArg_ParseTuple(args, "y*w*w*iisddd:window_reduce", &table, &slot, &flags, &rank,
-                          &size, &dtype, &factor, &timeout_s, &yield_s))
-        return NULL;
-    PyObject *result = NULL;
-    hh_kind kind = summed_kind(dtype);
-    if (kind == HH_RAW) {
-        PyErr_Format(PyExc_TypeError, "window_reduce: no sum of %s (float16, bfloat16, float32 "
-                     "or float64)", dtype);
-        goto done;
-    }
-    size_t row_bytes = 3 * sizeof(uint64_t);
-    if (size < 1 || rank < 0 || rank >= size || table.len % (Py_ssize_t)row_bytes != 0
-        || slot.len % (size + 1) != 0
-        || flags.len < (Py_ssize_t)(size * HH_WINDOW_FLAG_STRIDE * sizeof(int64_t))
-        || ((uintptr_t)flags.buf % sizeof(int64_t)) != 0) {
-        PyErr_Format(PyExc_ValueError, "window_reduce: rank %d of %d, a table of %zd bytes, a "
-                     "slot of %zd bytes, %zd bytes of flags", rank, size, table.len, slot.len,
-                     flags.len);
-        goto done;
-    }
-    hh_window_job job = {size, rank, table.buf, (size_t)table.len / row_bytes, slot.buf,
-                         (size_t)slot.len / (size_t)(size + 1), flags.buf, kind, factor,
-                         timeout_s, yield_s, window_interrupted, NULL};
-    size_t total = 0;
-    for (size_t i = 0; i < job.count; i++)
-        total += (size_t)job.table[i * 3 + 2];
-    if (total > job.capacity) {
-        PyErr_Format(PyExc_ValueError, "window_reduce: a group of %zu bytes is more than the %zu "
-                     "bytes of a segment", total, job.capacity);
-        goto done;
-    }
-    char error[512];
-    int status;
-    PyThreadState *saved = PyEval_SaveThread();
-    job.context = &saved;
-    status = hh_window_reduce(&job, error, sizeof error);
-    PyEval_RestoreThread(saved);
-    if (status == -1)
-        PyErr_Format(PyExc_TimeoutError, "window_reduce: %s", error);
-    else if (status == 0)
-        result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&table);
-    PyBuffer_Release(&slot);
-    PyBuffer_Release(&flags);
-    return result;
-}
-
 static PyMethodDef methods[] = {
     {"has_half_sum", py_has_half_sum, METH_NOARGS, has_half_sum_doc},
     {"half_sum_op", py_half_sum_op, METH_O, half_sum_op_doc},
@@ -720,7 +637,6 @@ static PyMethodDef methods[] = {
     {"peer_reduce", py_peer_reduce, METH_VARARGS, peer_reduce_doc},
     {"peer_chunk", py_peer_chunk, METH_NOARGS,
      "peer_chunk() -> int\n\nBytes of scratch peer_reduce needs per peer."},
-    {"window_reduce", py_window_reduce, METH_VARARGS, window_reduce_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -742,7 +658,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (hh_lane_register(m) < 0 || hh_entry_register(m) < 0 ||
-                      hh_torch_register(m) < 0))
+                      hh_torch_register(m) < 0 ||
+                      hh_window_register(m) < 0))
         Py_CLEAR(m);
     return m;
 }

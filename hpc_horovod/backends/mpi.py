@@ -82,6 +82,9 @@ class MpiBackend:
         self._peer: PeerAllreduce | None = None  # likewise
         self._peer_refused = False
         self._native_window = False  # every rank sums natively in the window
+        #: the window's native side once it exists and every rank sums natively in it (the
+        #: engine hands it whole groups of requests, see Engine._execute); None otherwise
+        self.window = None
         self.shared_memory = shared_memory
         if shared_memory and self.size > 1:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -130,6 +133,8 @@ class MpiBackend:
     def _window(self) -> NodeAllreduce:
         if self._node is None:  # every rank gets here at the same agreed allreduce
             self._node = NodeAllreduce(self.comm, self.fusion_capacity, self._waiter)
+            if self._native_window:
+                self.window = self._node.native
         return self._node
 
     def sums_in_window(self, dtype: np.dtype) -> bool:
@@ -236,14 +241,14 @@ class MpiBackend:
         cycle where every rank agrees to stop, or when a process set is removed: freeing
         waits for every rank, so it is never done where a peer may not come (see ``free``)."""
         node, self._node, self.fusion_capacity = self._node, None, None
-        self._peer = None
+        self._peer = self.window = None
         if node is not None:
             node.free()
 
     def free(self) -> None:
         """Release the communicator. Local: a shared window not released by then (the job
         failed) is left to the end of the process."""
-        self._node = self._peer = None
+        self._node = self._peer = self.window = None
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
             self.comm.Free()
 

@@ -357,6 +357,10 @@ class NcclBackend:
     def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
         return self.mpi.reduce_staged(staged, op)
 
+    @property
+    def window(self):
+        return self.mpi.window
+
     def sums_in_window(self, dtype: np.dtype) -> bool:
         return self.mpi.sums_in_window(dtype)
 

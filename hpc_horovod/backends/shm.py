@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common import patience
-from ..common.errors import HorovodInternalError
+from ..common.errors import window_timeout
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .waiting import RequestWaiter
 
@@ -78,8 +78,7 @@ class NodeAllreduce:
         self.win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=comm)
         memory, _ = self.win.Shared_query(0)
         mem = np.frombuffer(memory, dtype=np.uint8, count=total)
-        self._slots = [mem[s * (n + 1) * capacity:][:(n + 1) * capacity] for s in range(_SLOTS)]
-        self._flags = mem[slots:].view(np.int64)
+        flags = mem[slots:].view(np.int64)
         # slot s: segments of ranks 0..n-1, then the result
         self._segments = [[mem[(s * (n + 1) + q) * capacity:][:capacity] for q in range(n)]
                           for s in range(_SLOTS)]
@@ -89,8 +88,12 @@ class NodeAllreduce:
             self._segments[s][self.rank][:] = 0
             lo, hi = _slice_bounds(capacity, 1, n, self.rank)
             self._results[s][lo:hi] = 0
-        self._flags[self.rank * _ALIGN // 8] = 0
-        self._slot = 0
+        flags[self.rank * _ALIGN // 8] = 0
+        #: the native side (``src_native/window_object.c``): the native sums, and the slot
+        #: counter every reduction shares; None without the extension
+        self.native = None if _native is None else _native.Window(mem[:slots], flags,
+                                                                  self.rank, n, _SLOTS)
+        self._slot = 0  # the slot counter without the extension
         self._staged: np.ndarray | None = None
         self._sync(0.0, "creating the shared window")
 
@@ -111,25 +114,33 @@ class NodeAllreduce:
         self._waiter.wait(self.comm.Ibarrier(), timeout_s, what)
         self.win.Sync()
 
+    def _take_slot(self) -> int:
+        """The slot of the next reduction, whichever way it goes."""
+        if self.native is not None:
+            return self.native.take_slot()
+        slot = self._slot
+        self._slot = (slot + 1) % _SLOTS
+        return slot
+
     def stage(self, count: int, dtype: np.dtype) -> np.ndarray:
         """This rank's input for the next reduction: ``count`` elements of ``dtype`` in the
         shared window, to be filled then passed to :meth:`reduce`."""
         if count * dtype.itemsize > self.capacity:
             raise ValueError(f"NodeAllreduce.stage: {count} x {dtype} is more than the "
                              f"{self.capacity} bytes of a segment")
-        staged = self._segments[self._slot][self.rank][: count * dtype.itemsize].view(dtype)
-        self._staged = staged
+        slot = self._take_slot()
+        staged = self._segments[slot][self.rank][: count * dtype.itemsize].view(dtype)
+        self._staged = staged, slot
         return staged
 
     def reduce(self, staged: np.ndarray, op: int, timeout_s: float = 0.0) -> np.ndarray:
         """Reduce every rank's staged input; returns the shared, read-only result, valid until
         the call after next. Raises HorovodInternalError when a peer does not come within
         ``timeout_s`` (0: wait for ever)."""
-        if staged is not self._staged:
+        if self._staged is None or staged is not self._staged[0]:
             raise RuntimeError("NodeAllreduce.reduce: the buffer was not the last one staged")
-        self._staged = None
-        slot, dtype, count = self._slot, staged.dtype, staged.size
-        self._slot = (slot + 1) % _SLOTS
+        slot, self._staged = self._staged[1], None
+        dtype, count = staged.dtype, staged.size
         nbytes = count * dtype.itemsize
         inputs = [seg[:nbytes].view(dtype) for seg in self._segments[slot]]
         result = self._results[slot][:nbytes].view(dtype)
@@ -151,19 +162,15 @@ class NodeAllreduce:
         naming the ranks that did not come within ``timeout_s`` (0: wait for ever)."""
         table = np.empty((len(inputs), 3), dtype=np.uint64)
         _native.peer_table(inputs, outputs, table)
-        slot = self._slot
-        self._slot = (slot + 1) % _SLOTS
         try:
-            _native.window_reduce(table, self._slots[slot], self._flags, self.rank, self.size,
-                                  dtype.name, factor, timeout_s, patience.yield_s())
+            self.native.sum(table, dtype.name, factor, timeout_s, patience.yield_s())
         except TimeoutError as exc:
-            raise HorovodInternalError(
-                f"shared-memory allreduce of {len(inputs)} tensors of {dtype}: {exc}: a peer "
-                "process died or is blocked outside Python (raise HOROVOD_PEER_TIMEOUT_SECONDS "
-                "if a rank legitimately stops for longer)") from None
+            raise window_timeout(len(inputs), dtype, exc) from None
 
     def free(self) -> None:
         """Collective: release the window."""
+        if self.native is not None:
+            self.native.close()
         self.win.Unlock_all()
         self.win.Free()
 

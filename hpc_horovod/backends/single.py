@@ -13,6 +13,7 @@ class SingleBackend:
     rank = 0
     size = 1
     fusion_capacity = None
+    window = None
 
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
         return None

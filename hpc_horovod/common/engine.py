@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from . import patience
 from .collectives import (
     adasum_one,
     allgather_group,
@@ -42,7 +43,7 @@ from .collectives import (
     reducescatter_one,
 )
 from .config import Settings
-from .errors import SHUT_DOWN, HorovodInternalError
+from .errors import SHUT_DOWN, HorovodInternalError, window_timeout
 from .fusion import FusedAllreduce, group_allreduces
 from .negotiation import (
     FLAG_ABORT,
@@ -617,7 +618,14 @@ class Engine:
         """Run the plan's steps; ``writes_back``: every rank's requests write their results
         into outputs (agreed in the negotiation), so fused groups may use a shared window."""
         backend, tl = ps.backend, self.timeline
+        # Groups summed through the node's window run whole in C when every rank writes back
+        # (a training step's gradients): no Python per group, none per tensor.
+        window = backend.window if writes_back and tl is None else None
         for activity, start, stop, fused in plan.steps:
+            if window is not None and fused is not None:
+                how = fused.window_sum(backend, window)
+                if how is not None and self._sum_in_window(window, reqs, start, stop, how):
+                    continue
             sigs, group = plan.sigs[start:stop], reqs[start:stop]
             if fused is not None:
                 fn = functools.partial(fused, backend, group, writes_back)
@@ -626,6 +634,17 @@ class Engine:
             else:
                 fn = functools.partial(self._execute_one, ps, sigs[0], group[0])
             self._run_group(backend, sigs[0].device, group, tl, activity, fn)
+
+    def _sum_in_window(self, window, reqs: list[Request | None], start: int, stop: int,
+                       how: tuple[str, float]) -> bool:
+        """``Lane.sum_in_window`` of ``reqs[start:stop]``; False when it declined (a request
+        without an output, a joined rank's None), having done nothing."""
+        dtype, factor = how
+        try:
+            return self.lane.sum_in_window(window, reqs, start, stop, dtype, factor,
+                                           self.settings.peer_timeout_s, patience.yield_s())
+        except TimeoutError as exc:  # the requests are failed with it as the engine stops
+            raise window_timeout(stop - start, dtype, exc) from None
 
     def _execute_one(self, ps: ProcessSetState, sig, req) -> None:
         backend = ps.backend

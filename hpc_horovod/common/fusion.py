@@ -113,11 +113,12 @@ class FusedAllreduce:
     its result view back.
     """
 
-    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat", "_reduction")
+    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat", "_reduction", "_window")
 
     def __init__(self, sigs: list[Signature]):
         self.sig = sigs[0]
         self._reduction: tuple | None = None  # see reduction()
+        self._window: tuple | None = None  # see window_sum()
         self.shapes = [s.shape for s in sigs]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.bounds, offset = [], 0
@@ -192,6 +193,24 @@ class FusedAllreduce:
                 size, dtype, Sum if sig.op == Average else sig.op,
                 wire_dtype(dtype, sig.op, sig.device), *scale_factors(sig, size))
         return cached[1:]
+
+    def window_sum(self, backend, window) -> tuple[str, float] | None:
+        """(dtype name, factor) when this group is summed natively through ``window``, the
+        backend's :attr:`window` (``Lane.sum_in_window`` then runs it whole in C, when every
+        rank's requests write back); None when it goes another way. Decided once per window,
+        as ``__call__`` decides it every time: the answer rests on what every rank agreed and
+        on the window's dtypes and capacity, which do not change while it lives."""
+        cached = self._window
+        if cached is None or cached[0] is not window:
+            dtype, op, _, pre, post = self.reduction(backend.size)
+            nbytes, count = self.total * dtype.itemsize, len(self.sizes)
+            # (a tensor alone from PEER_BYTES may go through the peers' memory, whose first
+            # question is collective: left to __call__)
+            through_window = (not self.sig.device and op == Sum and post == 1.0
+                              and (count > 1 or nbytes < PEER_BYTES)
+                              and node_sum(backend, dtype, nbytes, count) == backend.sum_in_window)
+            cached = self._window = (window, (dtype.name, pre) if through_window else None)
+        return cached[1]
 
     def _sum_across(self, sum_across, reqs, dtype: np.dtype, factor: float,
                     writes_back: bool) -> None:

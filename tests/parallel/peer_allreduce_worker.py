@@ -120,9 +120,8 @@ def check_inside_hpc_horovod() -> None:
     counts, real = [], backend().reduce_through_peers
     backend().reduce_through_peers = lambda inputs, *args: (counts.append(len(inputs)),
                                                             real(inputs, *args))
-    fused, real_window = [], backend().sum_in_window
-    backend().sum_in_window = lambda inputs, *args: (fused.append(len(inputs)),
-                                                     real_window(inputs, *args))
+    window = backend().window  # counts the groups and tensors it sums, whichever way
+    sums, tensors = window.sums, window.tensors
     big = np.full(3 << 20, RANK + 1.0)
     assert hvd.allreduce_(big, op=hvd.Sum) is big and np.all(big == SIZE * (SIZE + 1) / 2)
     got = hvd.allreduce(big, op=hvd.Average)
@@ -136,11 +135,13 @@ def check_inside_hpc_horovod() -> None:
     hvd.allreduce_(small, op=hvd.Sum)
     assert np.all(small == SIZE * (SIZE + 1) / 2), "small, through MPI"
     assert counts == [1, 1], f"tensors alone through the peers: {counts}"
-    assert fused == [1, 1], f"tensors alone through the window: {fused}"
+    fused = (window.sums - sums, window.tensors - tensors)
+    assert fused == (2, 2), f"(groups, tensors) alone through the window: {fused}"
     large = [np.full(225_000, RANK + 1.0, np.float32) for i in range(6)]  # one cycle
     assert all(np.all(t == SIZE * (SIZE + 1) / 2) for t in hvd.grouped_allreduce(large, op=hvd.Sum))
-    assert counts == [1, 1] and fused == [1, 1, 6], f"peers {counts}, window {fused}"
-    del backend().reduce_through_peers, backend().sum_in_window
+    fused = (window.sums - sums, window.tensors - tensors)
+    assert counts == [1, 1] and fused == (3, 8), f"peers {counts}, window {fused}"
+    del backend().reduce_through_peers
     # mixed across ranks: in place on some, out of place on others
     for step in range(3):
         tensors = [np.full(5000 + i, RANK + 1.0, np.float32) for i in range(8)]

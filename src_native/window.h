@@ -8,11 +8,15 @@
  * other ranks summed. Compared with packing the whole group in and unpacking the whole of it
  * out, each rank copies (n - 1)/n of the group each way, and its own slice not at all.
  *
- * Two arrivals order the phases: every segment written, every slice summed. An arrival is a
- * counter per rank in the window, on its own cache line: a rank bumps its own, then waits until
- * every rank's has reached it. Nobody writes into a rank's tensors but the rank itself, so
- * nothing has to wait for the last copy out: the next reduction's first arrival, which no rank
- * passes before every rank has finished this one, guards the window's reuse.
+ * The slices go in rounds of 256 KiB, pipelined: in round k a rank copies the k-th piece of
+ * every other rank's slice into its segment and says so, sums the k-th piece of its own once
+ * every rank has said so, says that too, then copies out the pieces of round k - 1 the others
+ * have summed meanwhile. Each rank has two counters in the window, on its own cache line:
+ * rounds written and rounds summed, above the reduction's number (every rank numbers its
+ * native reductions alike). Nobody writes into a rank's tensors but the rank itself, so nothing
+ * waits for the last copy out: a rank cannot finish a reduction before every other has written
+ * its first round of it, hence finished the previous one, so two slots alternating are enough
+ * for the window's reuse.
  */
 #ifndef HH_WINDOW_H
 #define HH_WINDOW_H
@@ -22,7 +26,8 @@
 
 #include "convert.h"
 
-/* int64 counters per cache line: counter q is at flags[q * HH_WINDOW_FLAG_STRIDE] */
+/* int64 counters per cache line: rank q's are at flags[q * HH_WINDOW_FLAG_STRIDE] (rounds
+ * written) and the one after (rounds summed) */
 #define HH_WINDOW_FLAG_STRIDE 8
 
 typedef struct {
@@ -33,10 +38,10 @@ typedef struct {
     size_t count;
     char *slot;             /* n segments of `capacity` bytes, then the result */
     size_t capacity;
-    int64_t *flags;         /* the arrival counters, shared */
+    int64_t *flags;         /* the ranks' counters, shared, zero at first */
     hh_kind kind;           /* HH_F16, HH_BF16, HH_F32 or HH_F64 */
     double factor;          /* applied to the sum */
-    double timeout_s;       /* of each arrival; 0: no limit */
+    double timeout_s;       /* of each wait for the others; 0: no limit */
     double yield_s;         /* waits yield the core this long before they sleep; 0: at once */
     /* Called every 100 ms while waiting for a peer; nonzero gives up (an interrupt). */
     int (*interrupted)(void *context);

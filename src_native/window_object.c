@@ -1,5 +1,5 @@
 /* The node's shared window as a Python object: what hh_window_reduce needs that outlives one
- * reduction (the memory, the arrival counters, which of the slots comes next, a table reused
+ * reduction (the memory, the ranks' counters, which of the slots comes next, a table reused
  * by every group), so that a fused group costs one call.
  *
  *   Window(memory, flags, rank, size, slots)
@@ -204,7 +204,7 @@ static PyMethodDef window_methods[] = {
      "outputs[i] = factor x (sum over ranks of inputs[i]), in rank order (float16/bfloat16 in "
      "float32, rounded once). Every rank calls it with its own table. ``dtype``: 'float16', "
      "'bfloat16', 'float32' or 'float64'. Raises TimeoutError naming the ranks that did not "
-     "arrive within ``timeout_s`` (0: no limit); a signal's exception stops the wait. Waits "
+     "come within ``timeout_s`` (0: no limit); a signal's exception stops the wait. Waits "
      "yield the core for ``yield_s`` seconds before they sleep."},
     {"take_slot", (PyCFunction)window_take_slot, METH_NOARGS,
      "take_slot() -> int\n\nThe slot the next reduction uses, which the one after will not."},
@@ -227,7 +227,7 @@ static PyTypeObject WindowType = {
     .tp_doc = "Window(memory, flags, rank, size, slots)\n\n"
               "Float sums through memory every rank of the node maps: ``memory`` holds "
               "``slots`` slots of ``size`` segments then the result, ``flags`` the ranks' int64 "
-              "arrival counters, 8 apart, zero at first (see src_native/window.h).",
+              "counters, a cache line (8) apart, zero at first (see src_native/window.h).",
     .tp_basicsize = sizeof(Window),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = window_new,

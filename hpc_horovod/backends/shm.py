@@ -12,13 +12,13 @@ one MPI window, two ways:
   buffer *is* this rank's segment, each rank reduces 1/n of it across every segment with numpy,
   and results are read straight from the shared result.
 
-Two arrivals order the phases of one reduction: every segment written, then every slice
-reduced. The native way counts them in the window (a counter per rank); the other polls
-non-blocking barriers. Both give up after the engine's peer timeout, so a peer that died
-mid-group is reported instead of waited for. Two slots alternate, so a rank may fill the next
-buffer while a slower peer still reads the previous result: a slot is written again only after
-the next reduction's first arrival, which no rank passes before every peer has finished reading
-it.
+The native way goes in rounds, every rank's counters in the window saying how far it has
+written and summed (``src_native/window.h``); the other orders its two phases, every segment
+written then every slice reduced, with non-blocking barriers. Both give up after the engine's
+peer timeout, so a peer that died mid-group is reported instead of waited for. Two slots
+alternate, so a rank may fill the next buffer while a slower peer still reads the previous
+result: no rank gets past the start of a reduction before every peer has finished reading the
+one before, so a slot is never written while it is read.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class NodeAllreduce:
         self.capacity = capacity
         n = self.size
         slots = _SLOTS * (n + 1) * capacity
-        total = slots + n * _ALIGN  # then the ranks' arrival counters, a cache line each
+        total = slots + n * _ALIGN  # then the ranks' counters, a cache line each
         self.win = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=comm)
         memory, _ = self.win.Shared_query(0)
         mem = np.frombuffer(memory, dtype=np.uint8, count=total)

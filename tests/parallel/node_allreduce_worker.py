@@ -256,6 +256,45 @@ def check_both_ways_under_skew(node: NodeAllreduce) -> None:
         assert np.array_equal(got, want), f"step {step}: wrong result"
 
 
+def check_native_sums_in_rounds() -> None:
+    """Groups of several 256 KiB rounds (src_native/window.h), tensors of every size cut across
+    round and slice bounds, slices with fewer rounds than others or none, and ranks arriving at
+    random moments: the bits every rank gets are MPI's (2 ranks) or within rounding of a float64
+    sum, the same on every rank."""
+    if _native is None:
+        return
+    comm = COMM.Dup()
+    node = NodeAllreduce(comm, 4 << 20)
+    rng = np.random.default_rng(7)  # the same sizes on every rank
+    f32 = np.dtype(np.float32)
+    per_round = (256 << 10) // 4  # floats
+    totals = [1, 16, per_round * SIZE - 1, 2 * per_round * SIZE, 2 * per_round * SIZE + 16,
+              (1 << 20) - 3, 1 << 20]  # up to the whole segment
+    for step, total in enumerate(totals + [int(t) for t in rng.integers(1, 1 << 20, 12)]):
+        cuts = np.sort(rng.integers(0, total, int(rng.integers(0, 40))))
+        sizes = np.diff(np.concatenate([[0], cuts, [total]])).tolist()  # empty ones included
+        mine = np.random.default_rng([step, RANK])
+        xs = [(mine.standard_normal(n) * 4).astype(np.float32) for n in sizes]
+        in_place = step % 2 == 0
+        outputs = [x.copy() for x in xs] if in_place else [np.empty_like(x) for x in xs]
+        if mine.random() < 0.3:
+            time.sleep(float(mine.uniform(0, 2e-3)))
+        node.reduce_arrays(outputs if in_place else xs, outputs, f32, 1.0, timeout_s=30.0)
+        got = np.concatenate(outputs)
+        everyone = comm.allgather(np.concatenate(xs))
+        what = f"{total} floats in {len(sizes)} tensors"
+        if SIZE == 2:
+            assert np.array_equal(got, everyone[0] + everyone[1]), what
+        else:
+            exact = sum(e.astype(np.float64) for e in everyone)
+            bound = 2 * SIZE * np.finfo(np.float32).eps * sum(np.abs(e) for e in everyone)
+            assert np.all(np.abs(got - exact) <= bound + 1e-30), what
+        same_on_every_rank(got, what)
+    comm.Barrier()
+    node.free()
+    comm.Free()
+
+
 def check_absent_peer_in_native_sum() -> None:
     """Rank 0 waits for peers that come 1 s late: with a 0.3 s timeout it gets an error naming
     the ranks that did not come instead of a hang. The latecomers then wait for rank 0, which
@@ -432,6 +471,7 @@ def main() -> None:
     check_both_ways_under_skew(node)
     node.free()
     check_absent_peer_is_reported()
+    check_native_sums_in_rounds()
     check_absent_peer_in_native_sum()
     check_inside_hpc_horovod()
     check_ranks_that_differ_locally()

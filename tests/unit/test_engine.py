@@ -5,6 +5,7 @@ is one a waiter ran; a failure inside such a cycle must end the engine as one in
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -103,6 +104,13 @@ def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.001)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_engine_thread_does_not_preempt_the_thread_that_wakes_it(slow_engine):
+    engine, _ = slow_engine
+    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller's policy is its own"
 
 
 def test_a_synchronous_op_leaves_the_engine_thread_asleep(slow_engine):

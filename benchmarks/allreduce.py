@@ -285,9 +285,9 @@ class Contenders:
 
         def without(run, **attributes):
             # the same op with parts of the node's shared memory off: fusion_capacity=None is
-            # what HOROVOD_SHM_DISABLE=1 gives (MPI only); sums_in_window=False sends the group
-            # through the peers' memory instead of the window's native sums; both take the
-            # window from the engine (window=None), which otherwise sums such groups whole
+            # what HOROVOD_SHM_DISABLE=1 gives (MPI only); sums_in_window=False stages the group
+            # in the window and sums it with numpy (as a build without src_native does); both
+            # take the window from the engine (window=None), which otherwise sums it whole in C
             def run_without():
                 saved = {name: getattr(backend, name) for name in attributes}
                 for name, value in attributes.items():
@@ -307,7 +307,7 @@ class Contenders:
         }
         in_place = cases["hvd numpy in-place"][0]
         if getattr(backend, "sums_in_window", None) is not None:
-            cases["hvd numpy in-place, peers' memory instead of the window"] = (
+            cases["hvd numpy in-place, window without the native sum"] = (
                 without(in_place, sums_in_window=lambda dtype: False, window=None), refill)
         if getattr(backend, "fusion_capacity", None):
             cases["hvd numpy in-place, no shared memory"] = (

@@ -17,7 +17,7 @@
  *     .cache_bits(pending, entries) -> (bits, uncached, writes_back)
  *                                        the response cache's bits of the pending requests
  *     .complete(group)                   mark a group's requests done, forget their names
- *     .sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s) -> bool
+ *     .sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s, fresh)
  *                                        a fused float sum of group[start:stop] through the
  *                                        node's window (window_object.h), completed
  *
@@ -661,33 +661,52 @@ static PyObject *lane_complete(Lane *self, PyObject *group) {
     Py_RETURN_NONE;
 }
 
-/* Row i of `rows` from request `item` when the window can sum it as it is: a Request whose
- * output (its tensor, in place) is a writable C-contiguous numpy array the size of its tensor,
- * also one. 1 if so, 0 if not. */
+/* Row (input, output, bytes) of request `item` when the window can sum it: a Request whose
+ * tensor is a C-contiguous numpy array and whose output, if it has one (its tensor, in place),
+ * is a writable one of the same size. 1 with the output's address set, 2 without an output
+ * (its row's output is set later, in the fresh buffer), 0 when the window cannot take it. */
 static int window_row(PyObject *item, uint64_t *row) {
     if (Py_TYPE(item) != &RequestType)
         return 0;
     Request *req = (Request *)item;
     PyObject *in = req->tensor, *out = req->output;
-    if (in == NULL || out == NULL || !PyArray_Check(in) || !PyArray_Check(out))
+    if (in == NULL || !PyArray_Check(in) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)in))
         return 0;
-    PyArrayObject *a = (PyArrayObject *)in, *b = (PyArrayObject *)out;
-    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISWRITEABLE(b) ||
+    PyArrayObject *a = (PyArrayObject *)in;
+    row[0] = (uint64_t)(uintptr_t)PyArray_DATA(a);
+    row[2] = (uint64_t)PyArray_NBYTES(a);
+    if (out == NULL || out == Py_None)
+        return 2;
+    if (!PyArray_Check(out))
+        return 0;
+    PyArrayObject *b = (PyArrayObject *)out;
+    if (!PyArray_IS_C_CONTIGUOUS(b) || !PyArray_ISWRITEABLE(b) ||
         PyArray_NBYTES(a) != PyArray_NBYTES(b))
         return 0;
-    row[0] = (uint64_t)(uintptr_t)PyArray_DATA(a);
     row[1] = (uint64_t)(uintptr_t)PyArray_DATA(b);
-    row[2] = (uint64_t)PyArray_NBYTES(a);
     return 1;
 }
 
+/* The result of a request without an output: bytes [offset, offset + its tensor's) of `fresh`,
+ * shaped as its tensor. */
+static PyObject *fresh_view(PyArrayObject *fresh, PyArrayObject *tensor, size_t offset) {
+    PyArray_Descr *descr = PyArray_DESCR(fresh);
+    Py_INCREF(descr);
+    PyObject *view = PyArray_NewFromDescr(&PyArray_Type, descr, PyArray_NDIM(tensor),
+                                          PyArray_DIMS(tensor), NULL,
+                                          PyArray_BYTES(fresh) + offset, NPY_ARRAY_CARRAY, NULL);
+    if (view != NULL && PyArray_SetBaseObject((PyArrayObject *)view, Py_NewRef(fresh)) < 0)
+        Py_CLEAR(view);
+    return view;
+}
+
 static PyObject *lane_sum_in_window(Lane *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8 || !PyList_CheckExact(args[1]) || !PyUnicode_Check(args[4])) {
+    if (nargs != 9 || !PyList_CheckExact(args[1]) || !PyUnicode_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError, "Lane.sum_in_window(window, group: list, start, stop, "
-                        "dtype: str, factor, timeout_s, yield_s)");
+                        "dtype: str, factor, timeout_s, yield_s, fresh)");
         return NULL;
     }
-    PyObject *window = args[0], *group = args[1];
+    PyObject *window = args[0], *group = args[1], *make_fresh = args[8];
     Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
     double factor = PyFloat_AsDouble(args[5]), timeout_s = PyFloat_AsDouble(args[6]),
            yield_s = PyFloat_AsDouble(args[7]);
@@ -707,20 +726,64 @@ static PyObject *lane_sum_in_window(Lane *self, PyObject *const *args, Py_ssize_
     uint64_t *rows = hh_window_rows(window, (size_t)(stop - start));
     if (rows == NULL)
         return NULL;
-    for (Py_ssize_t i = start; i < stop; i++)
-        if (!window_row(PyList_GET_ITEM(group, i), rows + (i - start) * 3))
+    size_t total = 0, without_output = 0;
+    for (Py_ssize_t i = start; i < stop; i++) {
+        int taken = window_row(PyList_GET_ITEM(group, i), rows + (i - start) * 3);
+        if (!taken)
             Py_RETURN_FALSE; /* nothing done: the Python path takes the group */
-    if (hh_window_sum(window, (size_t)(stop - start), kind, factor, timeout_s, yield_s) < 0)
+        without_output += taken == 2;
+        total += (size_t)rows[(i - start) * 3 + 2];
+    }
+    /* Outputs for the requests without one: views of one buffer, as the Python path gives. */
+    PyArrayObject *fresh = NULL;
+    if (without_output) {
+        PyObject *made = PyObject_CallNoArgs(make_fresh);
+        if (made == NULL)
+            return NULL;
+        fresh = (PyArrayObject *)made;
+        if (!PyArray_Check(made) || !PyArray_IS_C_CONTIGUOUS(fresh) ||
+            !PyArray_ISWRITEABLE(fresh) || (size_t)PyArray_NBYTES(fresh) < total) {
+            PyErr_Format(PyExc_ValueError, "Lane.sum_in_window: fresh() must give a writable "
+                         "C-contiguous numpy array of at least %zu bytes", total);
+            Py_DECREF(made);
+            return NULL;
+        }
+        size_t offset = 0;
+        for (Py_ssize_t i = start; i < stop; i++) {
+            uint64_t *row = rows + (i - start) * 3;
+            Request *req = (Request *)PyList_GET_ITEM(group, i);
+            if (req->output == NULL || req->output == Py_None)
+                row[1] = (uint64_t)(uintptr_t)(PyArray_BYTES(fresh) + offset);
+            offset += (size_t)row[2];
+        }
+    }
+    if (hh_window_sum(window, (size_t)(stop - start), kind, factor, timeout_s, yield_s) < 0) {
+        Py_XDECREF(fresh);
         return NULL; /* the requests stay in flight: the engine fails them as it stops */
+    }
+    size_t offset = 0;
     for (Py_ssize_t i = start; i < stop; i++) {
         Request *req = (Request *)PyList_GET_ITEM(group, i);
-        if (PyDict_DelItem(self->inflight, req->key) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+        PyArrayObject *tensor = (PyArrayObject *)req->tensor;
+        if (req->output == NULL || req->output == Py_None) {
+            PyObject *view = fresh_view(fresh, tensor, offset);
+            if (view == NULL) {
+                Py_DECREF(fresh);
                 return NULL;
+            }
+            Py_XSETREF(req->result, view);
+        }
+        offset += (size_t)PyArray_NBYTES(tensor);
+        if (PyDict_DelItem(self->inflight, req->key) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+                Py_XDECREF(fresh);
+                return NULL;
+            }
             PyErr_Clear();
         }
         req->done = 1;
     }
+    Py_XDECREF(fresh);
     Py_RETURN_TRUE;
 }
 
@@ -749,11 +812,13 @@ static PyMethodDef lane_methods[] = {
      "complete(group) -> None\n\nMark the group's requests done (None entries skipped) and "
      "forget their names."},
     {"sum_in_window", (PyCFunction)(void (*)(void))lane_sum_in_window, METH_FASTCALL,
-     "sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s) -> bool\n\n"
-     "Sum group[start:stop] (requests of one agreed fused group) across the node through "
-     "``window`` (a Window) as Window.sum does, the requests' tensors in, their outputs out, "
-     "then complete them. False, having done nothing, when a request is not one the window "
-     "takes as it is (no output, not a C-contiguous numpy array, None for a joined rank)."},
+     "sum_in_window(window, group, start, stop, dtype, factor, timeout_s, yield_s, fresh) -> "
+     "bool\n\nSum group[start:stop] (requests of one agreed fused group) across the node "
+     "through ``window`` (a Window) as Window.sum does, the requests' tensors in, their outputs "
+     "out, then complete them. Requests without an output get views of one buffer, ``fresh()``, "
+     "shaped as their tensors. False, having done nothing, when a request is not one the "
+     "window takes (not a C-contiguous numpy array, an output that is not a writable one of "
+     "its size, None for a joined rank)."},
     {NULL, NULL, 0, NULL},
 };
 

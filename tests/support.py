@@ -5,6 +5,7 @@ rank's output when any rank fails or the job does not finish in time."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -42,7 +43,9 @@ def single_process_job(hvd, monkeypatch):
 def without_letting_go_of_the_gil(fn: Callable):
     """``fn()``, failing the test if it lets another Python thread run: a submission that
     releases the GIL lets the engine thread run a cycle in the middle of a batch of gradients.
-    The switch interval is raised so that no forced switch happens meanwhile."""
+    The switch interval is raised so that no forced switch happens meanwhile, and the garbage
+    collector is off: a collection may finalize what earlier tests left (a torch tensor's
+    deallocation can let go of the GIL), which is not the call's doing."""
     turns, stop = [0], threading.Event()
 
     def other_thread() -> None:
@@ -57,9 +60,11 @@ def without_letting_go_of_the_gil(fn: Callable):
         time.sleep(0.001)  # the control: a call that lets go of the GIL lets the thread run
         before = turns[0]
         assert before > 0
+        gc.disable()
         result = fn()
         assert turns[0] == before, "the call let another thread run: it released the GIL"
     finally:
+        gc.enable()
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)

@@ -634,9 +634,9 @@ class Engine:
         """Run the plan's steps; ``writes_back``: every rank's requests write their results
         into outputs (agreed in the negotiation), so fused groups may use a shared window."""
         backend, tl = ps.backend, self.timeline
-        # Groups summed through the node's window run whole in C when every rank writes back
-        # (a training step's gradients): no Python per group, none per tensor.
-        window = backend.window if writes_back and tl is None else None
+        # Groups summed through the node's window run whole in C: no Python per group, none
+        # per tensor.
+        window = backend.window if tl is None else None
         for activity, start, stop, fused in plan.steps:
             if window is not None and fused is not None:
                 how = fused.window_sum(backend, window)
@@ -652,13 +652,15 @@ class Engine:
             self._run_group(backend, sigs[0].device, group, tl, activity, fn)
 
     def _sum_in_window(self, window, reqs: list[Request | None], start: int, stop: int,
-                       how: tuple[str, float]) -> bool:
-        """``Lane.sum_in_window`` of ``reqs[start:stop]``; False when it declined (a request
-        without an output, a joined rank's None), having done nothing."""
-        dtype, factor = how
+                       how: tuple) -> bool:
+        """``Lane.sum_in_window`` of ``reqs[start:stop]`` as ``how`` (see
+        ``FusedAllreduce.window_sum``) says; False when it declined (a joined rank's None, an
+        output it cannot write into as it is), having done nothing."""
+        dtype, factor, fresh = how
         try:
             return self.lane.sum_in_window(window, reqs, start, stop, dtype, factor,
-                                           self.settings.peer_timeout_s, patience.yield_s())
+                                           self.settings.peer_timeout_s, patience.yield_s(),
+                                           fresh)
         except TimeoutError as exc:  # the requests are failed with it as the engine stops
             raise window_timeout(stop - start, dtype, exc) from None
 

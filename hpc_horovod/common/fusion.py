@@ -16,9 +16,11 @@ float32 unless the native extension provides MPI operations for them.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -194,12 +196,13 @@ class FusedAllreduce:
                 wire_dtype(dtype, sig.op, sig.device), *scale_factors(sig, size))
         return cached[1:]
 
-    def window_sum(self, backend, window) -> tuple[str, float] | None:
-        """(dtype name, factor) when this group is summed natively through ``window``, the
-        backend's :attr:`window` (``Lane.sum_in_window`` then runs it whole in C, when every
-        rank's requests write back); None when it goes another way. Decided once per window,
-        as ``__call__`` decides it every time: the answer rests on what every rank agreed and
-        on the window's dtypes and capacity, which do not change while it lives."""
+    def window_sum(self, backend, window) -> tuple[str, float, Callable[[], np.ndarray]] | None:
+        """(dtype name, factor, fresh) when this group is summed natively through ``window``,
+        the backend's :attr:`window`: ``Lane.sum_in_window`` then runs it whole in C, results
+        of out-of-place requests in views of one ``fresh()`` buffer, as ``__call__`` gives
+        them. None when it goes another way. Decided once per window, as ``__call__`` decides
+        it every time: the answer rests on what every rank agreed and on the window's dtypes
+        and capacity, which do not change while it lives."""
         cached = self._window
         if cached is None or cached[0] is not window:
             dtype, op, _, pre, post = self.reduction(backend.size)
@@ -209,7 +212,8 @@ class FusedAllreduce:
             through_window = (not self.sig.device and op == Sum and post == 1.0
                               and (count > 1 or nbytes < PEER_BYTES)
                               and node_sum(backend, dtype, nbytes, count) == backend.sum_in_window)
-            cached = self._window = (window, (dtype.name, pre) if through_window else None)
+            how = (dtype.name, pre, functools.partial(pool.empty, (self.total,), dtype))
+            cached = self._window = (window, how if through_window else None)
         return cached[1]
 
     def _sum_across(self, sum_across, reqs, dtype: np.dtype, factor: float,

@@ -112,6 +112,10 @@ def claimed(eng, name: str, tensor, output, op=Sum) -> Request:
     return req
 
 
+def refuse_fresh():
+    raise AssertionError("a fresh buffer although every request has an output")
+
+
 def test_a_group_is_summed_from_its_requests_and_completed(engine):
     window, _, _ = make_window()
     rng = np.random.default_rng(1)
@@ -120,7 +124,8 @@ def test_a_group_is_summed_from_its_requests_and_completed(engine):
     outputs = [xs[0], np.zeros_like(xs[1]), xs[2]]  # in place, out of place, in place
     reqs = [claimed(engine, f"g{i}", x, out) for i, (x, out) in enumerate(zip(xs, outputs))]
     group = [None] + reqs + [None]  # the slice is what counts
-    assert engine.lane.sum_in_window(window, group, 1, 4, "float32", 3.0, 0.0, 0.0) is True
+    assert engine.lane.sum_in_window(window, group, 1, 4, "float32", 3.0, 0.0, 0.0,
+                                     refuse_fresh) is True
     for fill, out, req in zip(fills, outputs, reqs):
         assert np.array_equal(out, fill * np.float32(3.0))
         assert req.done and req.error is None and req.result is req.output
@@ -128,15 +133,52 @@ def test_a_group_is_summed_from_its_requests_and_completed(engine):
     assert not engine._inflight and (window.sums, window.tensors) == (1, 3)
 
 
-@pytest.mark.parametrize("case", ["joined", "no output", "read-only output", "strided output",
-                                  "smaller output", "not an array", "python request"])
+def test_results_without_an_output_are_views_of_one_fresh_buffer_shaped_as_their_tensors(engine):
+    window, _, _ = make_window()
+    xs = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full(5, 2.0, np.float32),
+          np.array(7.0, np.float32), np.ones((4, 1), np.float32)]
+    reqs = [claimed(engine, f"o{i}", x, None if i != 1 else x) for i, x in enumerate(xs)]
+    fresh, made = np.full(6 + 5 + 1 + 4, np.nan, np.float32), []
+    assert engine.lane.sum_in_window(window, reqs, 0, 4, "float32", 0.5, 0.0, 0.0,
+                                     lambda: made.append(1) or fresh) is True
+    assert made == [1], "one buffer for the group"
+    for i, (x, req) in enumerate(zip(xs, reqs)):
+        assert req.done and req.result.shape == x.shape and req.result.dtype == x.dtype
+        if i == 1:
+            assert req.result is x and np.all(x == 1.0), "in place"
+        else:
+            assert np.array_equal(req.result, np.arange(x.size).reshape(x.shape) * 0.5 if i == 0
+                                  else x * np.float32(0.5))
+            assert req.result.base is fresh and req.result.flags.writeable
+    assert np.array_equal(xs[0], np.arange(6).reshape(2, 3)), "inputs left as they were"
+    offsets = [r.result.__array_interface__["data"][0] - fresh.ctypes.data
+               for r in reqs if r.result.base is fresh]
+    assert offsets == [0, 44, 48], "laid end to end in the group's order"
+    assert not engine._inflight
+
+
+def test_a_fresh_buffer_that_cannot_hold_the_group_is_an_error(engine):
+    window, _, _ = make_window()
+    x = np.ones(8, np.float32)
+    reqs = [claimed(engine, "a", x, None)]
+    for bad in (np.empty(7, np.float32), np.empty(16, np.float32)[::2], [0.0] * 8):
+        with pytest.raises(ValueError, match="writable C-contiguous numpy array of at least 32"):
+            engine.lane.sum_in_window(window, reqs, 0, 1, "float32", 1.0, 0.0, 0.0,
+                                      lambda bad=bad: bad)
+    with pytest.raises(ZeroDivisionError):
+        engine.lane.sum_in_window(window, reqs, 0, 1, "float32", 1.0, 0.0, 0.0, lambda: 1 / 0)
+    assert not reqs[0].done and window.sums == 0
+
+
+@pytest.mark.parametrize("case", ["joined", "read-only output", "strided output",
+                                  "strided input", "smaller output", "not an array",
+                                  "python request"])
 def test_a_group_the_window_cannot_take_as_it_is_is_declined_untouched(engine, case):
     window, _, _ = make_window()
     x = np.arange(8, dtype=np.float32)
     good = claimed(engine, "good", x.copy(), None)
     good.output = good.tensor
     odd_output = {
-        "no output": None,
         "read-only output": np.zeros(8, np.float32),
         "strided output": np.zeros(16, np.float32)[::2],
         "smaller output": np.zeros(7, np.float32),
@@ -149,12 +191,15 @@ def test_a_group_the_window_cannot_take_as_it_is_is_declined_untouched(engine, c
         class PythonRequest:
             tensor = output = x
         odd = PythonRequest()
+    elif case == "strided input":
+        odd = claimed(engine, "odd", np.zeros(16, np.float32)[::2], None)
     else:
         odd = claimed(engine, "odd", x.copy(), odd_output[case])
         if case == "read-only output":
             odd.output.flags.writeable = False
     group = [good, odd]
-    assert engine.lane.sum_in_window(window, group, 0, 2, "float32", 2.0, 0.0, 0.0) is False
+    assert engine.lane.sum_in_window(window, group, 0, 2, "float32", 2.0, 0.0, 0.0,
+                                     refuse_fresh) is False
     assert np.array_equal(good.tensor, x) and not good.done
     assert good.key in engine._inflight and window.sums == 0
     if hasattr(odd, "done"):
@@ -166,16 +211,18 @@ def test_bad_arguments_raise(engine):
     x = np.ones(4, np.float32)
     group = [claimed(engine, "a", x, x)]
     with pytest.raises(IndexError, match=r"\[0, 2\) of a group of 1"):
-        engine.lane.sum_in_window(window, group, 0, 2, "float32", 1.0, 0.0, 0.0)
+        engine.lane.sum_in_window(window, group, 0, 2, "float32", 1.0, 0.0, 0.0, None)
     with pytest.raises(TypeError, match="no sum of int8"):
-        engine.lane.sum_in_window(window, group, 0, 1, "int8", 1.0, 0.0, 0.0)
+        engine.lane.sum_in_window(window, group, 0, 1, "int8", 1.0, 0.0, 0.0, None)
     with pytest.raises(TypeError, match="expected a hpc_horovod._native.Window"):
-        engine.lane.sum_in_window(object(), group, 0, 1, "float32", 1.0, 0.0, 0.0)
+        engine.lane.sum_in_window(object(), group, 0, 1, "float32", 1.0, 0.0, 0.0, None)
     with pytest.raises(TypeError, match="Lane.sum_in_window"):
-        engine.lane.sum_in_window(window, tuple(group), 0, 1, "float32", 1.0, 0.0, 0.0)
+        engine.lane.sum_in_window(window, tuple(group), 0, 1, "float32", 1.0, 0.0, 0.0, None)
+    with pytest.raises(TypeError, match="Lane.sum_in_window"):
+        engine.lane.sum_in_window(window, group, 0, 1, "float32", 1.0, 0.0, 0.0)
     window.close()
     with pytest.raises(ValueError, match="closed"):
-        engine.lane.sum_in_window(window, group, 0, 1, "float32", 1.0, 0.0, 0.0)
+        engine.lane.sum_in_window(window, group, 0, 1, "float32", 1.0, 0.0, 0.0, None)
     assert not group[0].done and np.all(x == 1)
 
 
@@ -185,7 +232,7 @@ def test_the_engine_names_the_group_and_the_missing_rank_when_a_peer_never_comes
     xs = [np.ones(16, np.float32) for _ in range(3)]
     reqs = [claimed(engine, f"t{i}", x, x) for i, x in enumerate(xs)]
     with pytest.raises(HorovodInternalError) as info:
-        engine._sum_in_window(window, reqs, 0, 3, ("float32", 1.0))
+        engine._sum_in_window(window, reqs, 0, 3, ("float32", 1.0, refuse_fresh))
     text = str(info.value)
     assert text.startswith("shared-memory allreduce of 3 tensors of float32: rank(s) 1 did not "
                            "write their part of the group within 0.2 s"), text
@@ -227,14 +274,17 @@ def test_float_sums_go_whole_to_the_window_with_their_factor_decided_once_per_wi
     backend, window = _WindowBackend(), object()
     small = np.zeros(1024, np.float32)
     fused = fused_of(small, small, op=Average, prescale=3.0)
-    assert fused.window_sum(backend, window) == ("float32", 1.5)  # 3 x 1/2 ranks
-    assert fused.window_sum(backend, window) == ("float32", 1.5) and backend.asked == 1
-    assert fused.window_sum(backend, object()) == ("float32", 1.5) and backend.asked == 2
+    how = fused.window_sum(backend, window)
+    assert how[:2] == ("float32", 1.5)  # 3 x 1/2 ranks
+    assert fused.window_sum(backend, window) is how and backend.asked == 1
+    assert fused.window_sum(backend, object())[:2] == ("float32", 1.5) and backend.asked == 2
+    fresh = how[2]()  # the group's buffer for results without an output
+    assert fresh.shape == (2048,) and fresh.dtype == np.float32
     half = small.astype(ml_dtypes.bfloat16)
-    assert fused_of(half, half).window_sum(backend, window) == \
-        ("bfloat16", 1.0)
+    how = fused_of(half, half).window_sum(backend, window)
+    assert how[:2] == ("bfloat16", 1.0) and how[2]().dtype == ml_dtypes.bfloat16
     alone = np.zeros(fusion.WINDOW_MIN_BYTES // 4, np.float32)
-    assert fused_of(alone).window_sum(backend, window) == ("float32", 1.0)
+    assert fused_of(alone).window_sum(backend, window)[:2] == ("float32", 1.0)
 
 
 @pytest.mark.parametrize("case", ["max", "int32", "postscaled int", "small alone",

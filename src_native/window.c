@@ -14,20 +14,25 @@
 #include "peer.h"
 
 #define ALIGN 64                 /* slice bounds on cache lines, as shm._slice_bounds */
-/* Bytes of a slice per round. Rounds let a rank sum what the others have copied while they
- * copy the rest, instead of every rank waiting for the slowest one's whole copy, then its whole
- * sum. 200 x 16 KiB in place between two ranks, alternated with the two-phase way (copy all,
- * arrive, sum all, arrive, copy out all): 0.65-0.96 against 0.85-1.19 ms with 256 KiB rounds,
- * 0.74-1.05 with 64 KiB; ordinary stores instead of streaming ones lost up to 2x whenever the
- * VM was slow. */
-#define CHUNK ((size_t)256 * 1024)
+/* How a group goes, by its size. Slices go in rounds, which let a rank sum what the others
+ * have copied while they copy the rest. Up to CACHED_BYTES the group stays in the caches, and
+ * ordinary stores leave the peers' copies there for the rank that reads them: rounds of 1 MiB.
+ * Larger groups do not fit, and streaming stores spare each line's read for ownership: rounds
+ * of 256 KiB. Two ranks here, alternated, when MPI was quick (its 3.2 MB call at 0.70-0.85 ms):
+ * 200 x 16 KiB in place 0.61-0.75 ms with ordinary stores in rounds of 1 MiB (about as in one
+ * round), 0.69-0.79 in rounds of 256 KiB, 0.78-0.93 streaming; 200 x 64 KiB, 2.78-3.22 ms
+ * streaming in rounds of 256 KiB, 3.25-3.67 with ordinary stores. */
+#define CACHED_BYTES ((size_t)8 << 20)
+#define CACHED_ROUND ((size_t)1 << 20)
+#define STREAMED_ROUND ((size_t)256 << 10)
 #define BLOCK ((size_t)64 * 1024) /* bytes summed before they are copied into the result */
 /* The counters carry the reduction's number above the round's: every rank numbers its native
  * reductions alike, so a counter is never mistaken for one of the previous reduction. */
 #define EPOCH_SHIFT 24
-/* How a rank waits for the others: spinning, then, up to the job's yield_s (nonzero while a thread of the
- * rank waits for a result, see common/patience.py), sched_yield, which gives the core to any
- * other thread of it without leaving it idle; after that short sleeps, as backends/waiting.py.
+/* How a rank waits for the others: spinning, then, up to the job's yield_s (nonzero while a
+ * thread of the rank waits for a result, see common/patience.py), sched_yield, which gives the
+ * core to any other thread of it without leaving it idle; after that short sleeps, as
+ * backends/waiting.py.
  * A vCPU that sleeps even 20 us comes back slowly: with sleeps from 50 us on, 200 x 16 KiB took
  * 0.12-0.25 ms more per batch than yielding up to 5-10 ms (1.34-1.39 against 1.15-1.17 ms, two
  * ranks, alternated). */
@@ -64,11 +69,9 @@ static void slice_of(size_t total, int n, int q, size_t *lo, size_t *hi) {
     *hi = *lo + per < total ? *lo + per : total;
 }
 
-/* memcpy into the window, with non-temporal stores where the CPU has them. The other ranks read
- * what a rank writes there, so its lines sit in their caches: an ordinary store first takes
- * each line back from them (a read for ownership, a cross-core round trip per 64 bytes), a
- * streaming store does not. 200 x 16 KiB summed between two ranks: 0.88-0.98 ms against
- * 1.05-1.11 ms; 50 x 16 KiB: 0.23 ms against 0.48-0.53 ms. */
+/* memcpy into the window, with non-temporal stores where the CPU has them: for groups larger
+ * than the caches, where an ordinary store would first read each line it writes (a read for
+ * ownership) only for the line to be evicted before a peer reads it. */
 static void copy_into_window(char *dst, const char *src, size_t n) {
 #ifdef __SSE2__
     if (n >= 256) {
@@ -97,22 +100,28 @@ static void fence_window_writes(void) {
 #endif
 }
 
-/* Whether rank q's slice of a group of `total` bytes has a round k (k < 0: every rank counts). */
-static int has_round(size_t total, int n, int q, long k) {
+/* One reduction's shape: the group's bytes, its rounds' and how its copies store. */
+typedef struct {
+    size_t total, round;
+    int stream;
+} shape;
+
+/* Whether rank q's slice has a round k (k < 0: every rank counts). */
+static int has_round(const shape *g, int n, int q, long k) {
     if (k < 0)
         return 1;
     size_t lo, hi;
-    slice_of(total, n, q, &lo, &hi);
-    return lo + (size_t)k * CHUNK < hi;
+    slice_of(g->total, n, q, &lo, &hi);
+    return lo + (size_t)k * g->round < hi;
 }
 
 /* Wait until the counter `which` (0: written, 1: summed) of every other rank that has a round
  * k reaches `target`. 0; -1 with the ranks still behind named in `error`; -2 when interrupted. */
-static int wait_for(const hh_window_job *job, int which, int64_t target, size_t total, long k,
+static int wait_for(const hh_window_job *job, int which, int64_t target, const shape *g, long k,
                     const char *phase, char *error, size_t error_size) {
     double start = 0.0, checked = 0.0;
     for (int q = 0; q < job->n; q++) {
-        if (q == job->rank || !has_round(total, job->n, q, k))
+        if (q == job->rank || !has_round(g, job->n, q, k))
             continue;
         const int64_t *theirs = job->flags + (size_t)q * HH_WINDOW_FLAG_STRIDE + which;
         while (__atomic_load_n(theirs, __ATOMIC_ACQUIRE) < target) {
@@ -122,7 +131,7 @@ static int wait_for(const hh_window_job *job, int which, int64_t target, size_t 
             if (job->timeout_s > 0 && t - start > job->timeout_s) {
                 size_t used = (size_t)snprintf(error, error_size, "rank(s)");
                 for (int p = 0; p < job->n && used < error_size; p++)
-                    if (p != job->rank && has_round(total, job->n, p, k) &&
+                    if (p != job->rank && has_round(g, job->n, p, k) &&
                         __atomic_load_n(job->flags + (size_t)p * HH_WINDOW_FLAG_STRIDE + which,
                                         __ATOMIC_ACQUIRE) < target)
                         used += (size_t)snprintf(error + used, error_size - used, " %d", p);
@@ -155,39 +164,46 @@ static size_t row_at(const size_t *starts, size_t count, size_t at) {
     return lo;
 }
 
+/* Into the window, streaming or not. */
+static void store(const shape *g, char *dst, const char *src, size_t n) {
+    if (g->stream)
+        copy_into_window(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
 /* Bytes [a, b) of the group: from this rank's inputs into `window` (at their offsets in the
  * group) when `in`, from `window` into its outputs otherwise. */
-static void copy_range(const hh_window_job *job, const size_t *starts, size_t a, size_t b,
-                       char *window, int in) {
+static void copy_range(const hh_window_job *job, const shape *g, const size_t *starts, size_t a,
+                       size_t b, char *window, int in) {
     for (size_t i = row_at(starts, job->count, a); i < job->count && starts[i] < b; i++) {
         size_t at = starts[i], len = (size_t)job->table[i * 3 + 2];
         size_t x = at > a ? at : a, y = at + len < b ? at + len : b;
         if (y <= x)
             continue;
         if (in)
-            copy_into_window(window + x, (const char *)(uintptr_t)job->table[i * 3] + (x - at),
-                             y - x);
+            store(g, window + x, (const char *)(uintptr_t)job->table[i * 3] + (x - at), y - x);
         else
             memcpy((char *)(uintptr_t)job->table[i * 3 + 1] + (x - at), window + x, y - x);
     }
 }
 
 /* Round k of every other rank's slice: into this rank's segment (`in`), or out of the result. */
-static void copy_round(const hh_window_job *job, const size_t *starts, size_t total, size_t k,
+static void copy_round(const hh_window_job *job, const shape *g, const size_t *starts, size_t k,
                        char *window, int in) {
     for (int q = 0; q < job->n; q++) {
         size_t lo, hi;
-        slice_of(total, job->n, q, &lo, &hi);
-        size_t a = lo + k * CHUNK, b = a + CHUNK < hi ? a + CHUNK : hi;
+        slice_of(g->total, job->n, q, &lo, &hi);
+        size_t a = lo + k * g->round, b = a + g->round < hi ? a + g->round : hi;
         if (q != job->rank && a < b)
-            copy_range(job, starts, a, b, window, in);
+            copy_range(job, g, starts, a, b, window, in);
     }
 }
 
 /* Bytes [a, b) of this rank's slice: summed from its inputs and the peers' segments into its
  * outputs, and copied into the result. */
-static void sum_range(const hh_window_job *job, const size_t *starts, size_t a, size_t b,
-                      const char **srcs) {
+static void sum_range(const hh_window_job *job, const shape *g, const size_t *starts, size_t a,
+                      size_t b, const char **srcs) {
     const int n = job->n, r = job->rank;
     const size_t item = hh_kind_size(job->kind, 0);
     char *result = job->slot + (size_t)n * job->capacity;
@@ -201,17 +217,17 @@ static void sum_range(const hh_window_job *job, const size_t *starts, size_t a, 
             for (int q = 0; q < n; q++)
                 srcs[q] = q == r ? in + (x - at) : job->slot + (size_t)q * job->capacity + x;
             hh_sum_ranks(job->kind, n, srcs, out + (x - at), (z - x) / item, job->factor);
-            copy_into_window(result + x, out + (x - at), z - x);
+            store(g, result + x, out + (x - at), z - x);
         }
     }
 }
 
-static int reduce(const hh_window_job *job, const size_t *starts, size_t total,
+static int reduce(const hh_window_job *job, const shape *g, const size_t *starts,
                   const char **srcs, char *error, size_t error_size) {
     const int r = job->rank;
-    size_t per = (total + (size_t)job->n * ALIGN - 1) / ((size_t)job->n * ALIGN) * ALIGN;
-    size_t rounds = (per + CHUNK - 1) / CHUNK, lo, hi;
-    slice_of(total, job->n, r, &lo, &hi);
+    size_t per = (g->total + (size_t)job->n * ALIGN - 1) / ((size_t)job->n * ALIGN) * ALIGN;
+    size_t rounds = (per + g->round - 1) / g->round, lo, hi;
+    slice_of(g->total, job->n, r, &lo, &hi);
     int64_t *written = job->flags + (size_t)r * HH_WINDOW_FLAG_STRIDE, *summed = written + 1;
     int64_t base = ((__atomic_load_n(written, __ATOMIC_RELAXED) >> EPOCH_SHIFT) + 1)
                    << EPOCH_SHIFT;
@@ -220,26 +236,28 @@ static int reduce(const hh_window_job *job, const size_t *starts, size_t total,
     int status;
     for (size_t k = 0; k <= rounds; k++) {
         if (k < rounds) {
-            copy_round(job, starts, total, k, segment, 1);
-            fence_window_writes();
+            copy_round(job, g, starts, k, segment, 1);
+            if (g->stream)
+                fence_window_writes();
             __atomic_store_n(written, base + (int64_t)k + 1, __ATOMIC_RELEASE);
-            size_t a = lo + k * CHUNK, b = a + CHUNK < hi ? a + CHUNK : hi;
+            size_t a = lo + k * g->round, b = a + g->round < hi ? a + g->round : hi;
             if (a < b) {
-                status = wait_for(job, 0, base + (int64_t)k + 1, total, -1,
+                status = wait_for(job, 0, base + (int64_t)k + 1, g, -1,
                                   "write their part of the group", error, error_size);
                 if (status != 0)
                     return status;
-                sum_range(job, starts, a, b, srcs);
-                fence_window_writes();
+                sum_range(job, g, starts, a, b, srcs);
+                if (g->stream)
+                    fence_window_writes();
                 __atomic_store_n(summed, base + (int64_t)k + 1, __ATOMIC_RELEASE);
             }
         }
         if (k >= 1) { /* a round behind: the others had the time to sum it */
-            status = wait_for(job, 1, base + (int64_t)k, total, (long)k - 1,
+            status = wait_for(job, 1, base + (int64_t)k, g, (long)k - 1,
                               "sum their slice of the group", error, error_size);
             if (status != 0)
                 return status;
-            copy_round(job, starts, total, k - 1, result, 0);
+            copy_round(job, g, starts, k - 1, result, 0);
         }
     }
     return 0;
@@ -259,7 +277,9 @@ int hh_window_reduce(const hh_window_job *job, char *error, size_t error_size) {
         total += (size_t)job->table[i * 3 + 2];
     }
     starts[job->count] = total;
-    status = total == 0 ? 0 : reduce(job, starts, total, srcs, error, error_size);
+    shape g = {total, total <= CACHED_BYTES ? CACHED_ROUND : STREAMED_ROUND,
+               total > CACHED_BYTES};
+    status = total == 0 ? 0 : reduce(job, &g, starts, srcs, error, error_size);
 done:
     free(starts);
     free(srcs);

@@ -8,7 +8,8 @@
  * other ranks summed. Compared with packing the whole group in and unpacking the whole of it
  * out, each rank copies (n - 1)/n of the group each way, and its own slice not at all.
  *
- * The slices go in rounds of 256 KiB, pipelined: in round k a rank copies the k-th piece of
+ * The slices go in rounds (1 MiB while the group fits the caches, 256 KiB with streaming
+ * stores above 8 MiB, see window.c), pipelined: in round k a rank copies the k-th piece of
  * every other rank's slice into its segment and says so, sums the k-th piece of its own once
  * every rank has said so, says that too, then copies out the pieces of round k - 1 the others
  * have summed meanwhile. Each rank has two counters in the window, on its own cache line:

@@ -257,20 +257,24 @@ def check_both_ways_under_skew(node: NodeAllreduce) -> None:
 
 
 def check_native_sums_in_rounds() -> None:
-    """Groups of several 256 KiB rounds (src_native/window.h), tensors of every size cut across
-    round and slice bounds, slices with fewer rounds than others or none, and ranks arriving at
-    random moments: the bits every rank gets are MPI's (2 ranks) or within rounding of a float64
-    sum, the same on every rank."""
+    """Groups of several rounds (src_native/window.c: of 1 MiB up to 8 MiB, ordinary stores; of
+    256 KiB above, streaming stores), tensors of every size cut across round and slice bounds,
+    slices with fewer rounds than others or none, and ranks arriving at random moments: the
+    bits every rank gets are MPI's (2 ranks) or within rounding of a float64 sum, the same on
+    every rank."""
     if _native is None:
         return
     comm = COMM.Dup()
-    node = NodeAllreduce(comm, 4 << 20)
+    capacity = 12 << 20
+    node = NodeAllreduce(comm, capacity)
     rng = np.random.default_rng(7)  # the same sizes on every rank
     f32 = np.dtype(np.float32)
-    per_round = (256 << 10) // 4  # floats
-    totals = [1, 16, per_round * SIZE - 1, 2 * per_round * SIZE, 2 * per_round * SIZE + 16,
-              (1 << 20) - 3, 1 << 20]  # up to the whole segment
-    for step, total in enumerate(totals + [int(t) for t in rng.integers(1, 1 << 20, 12)]):
+    cached, streamed = (1 << 20) // 4, (256 << 10) // 4  # floats per round
+    largest, cached_largest = capacity // 4, (8 << 20) // 4
+    totals = [1, 16, cached * SIZE - 1, 2 * cached * SIZE + 16, cached_largest,
+              cached_largest + 1, cached_largest + 2 * streamed * SIZE + 16, largest]
+    randoms = [int(t) for t in rng.integers(1, largest, 12)]
+    for step, total in enumerate(totals + randoms):
         cuts = np.sort(rng.integers(0, total, int(rng.integers(0, 40))))
         sizes = np.diff(np.concatenate([[0], cuts, [total]])).tolist()  # empty ones included
         mine = np.random.default_rng([step, RANK])

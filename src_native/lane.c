@@ -633,6 +633,17 @@ done:
                          writes_back ? Py_True : Py_False);
 }
 
+/* Mark `req` done and forget its name (already forgotten: fine); 0, or -1 with an exception. */
+static int complete(Lane *self, Request *req) {
+    if (PyDict_DelItem(self->inflight, req->key) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError))
+            return -1;
+        PyErr_Clear();
+    }
+    req->done = 1;
+    return 0;
+}
+
 static PyObject *lane_complete(Lane *self, PyObject *group) {
     PyObject *items = PySequence_Fast(group, "Lane.complete: group must be a sequence");
     if (items == NULL)
@@ -647,15 +658,10 @@ static PyObject *lane_complete(Lane *self, PyObject *group) {
             Py_DECREF(items);
             return NULL;
         }
-        Request *req = (Request *)item;
-        if (PyDict_DelItem(self->inflight, req->key) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                Py_DECREF(items);
-                return NULL;
-            }
-            PyErr_Clear();
+        if (complete(self, (Request *)item) < 0) {
+            Py_DECREF(items);
+            return NULL;
         }
-        req->done = 1;
     }
     Py_DECREF(items);
     Py_RETURN_NONE;
@@ -774,14 +780,10 @@ static PyObject *lane_sum_in_window(Lane *self, PyObject *const *args, Py_ssize_
             Py_XSETREF(req->result, view);
         }
         offset += (size_t)PyArray_NBYTES(tensor);
-        if (PyDict_DelItem(self->inflight, req->key) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                Py_XDECREF(fresh);
-                return NULL;
-            }
-            PyErr_Clear();
+        if (complete(self, req) < 0) {
+            Py_XDECREF(fresh);
+            return NULL;
         }
-        req->done = 1;
     }
     Py_XDECREF(fresh);
     Py_RETURN_TRUE;

@@ -59,6 +59,9 @@ OUT = Path(__file__).resolve().parent / "out"
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 SMALL_COUNT, SMALL_BYTES = 200, 16 * 1024
+#: gloo's 0.4 s per batch would leave the time budget 10 repetitions of these cases, too few
+#: for a median on this VM (run to run the ratios moved by 0.3)
+SMALL_MIN_REPS = 30
 BASELINE = "mpi4py in-place"
 
 
@@ -101,7 +104,7 @@ def fmt_time(seconds: float) -> str:
 
 class Timer:
     """Collective timing of competing cases, interleaved repetition by repetition so that a
-    burst of load from elsewhere on the machine hits every case alike, in an order rotated at
+    burst of load from elsewhere on the machine hits every case alike, in an order shuffled at
     every repetition. Every case's setup
     rewrites its inputs (in-place cases need it; the others get it too), so that all of them
     start with their inputs in cache alike."""
@@ -119,8 +122,10 @@ class Timer:
         fn()
         return time.perf_counter() - start
 
-    def compare(self, cases: dict[str, tuple], warmup: int = 2) -> tuple[dict, dict]:
-        """({case: (median seconds of the slowest rank, repetitions)}, {case: error}).
+    def compare(self, cases: dict[str, tuple], warmup: int = 2,
+                min_reps: int | None = None) -> tuple[dict, dict]:
+        """({case: (median seconds of the slowest rank, repetitions)}, {case: error}), with at
+        least ``min_reps`` repetitions (default: the timer's).
 
         A case that raises while warming up (on every rank alike, e.g. a dtype gloo cannot
         reduce) is left out and reported.
@@ -134,13 +139,16 @@ class Timer:
         names = list(first)
         slowest_first = self.comm.allreduce(sum(first.values()), op=MPI.MAX)
         budget = self.seconds * max(len(names), 1)
-        reps = int(min(self.max_reps, max(self.min_reps, budget / max(slowest_first, 1e-9))))
+        least = self.min_reps if min_reps is None else max(min_reps, self.min_reps)
+        reps = int(min(self.max_reps, max(least, budget / max(slowest_first, 1e-9))))
         local = np.empty((reps, len(names)))
         for r in range(reps):
-            # Rotate the order: the case that runs right after a slow one (gloo) starts with
-            # cold caches, and that must not always be the same case.
-            for k in range(len(names)):
-                j = (r + k) % len(names)
+            # A new order at every repetition, the same on every rank (the cases are
+            # collective): the case that runs right after a slow one starts with cold caches,
+            # and gloo's threads are still busy for a while after its 200 operations (0.79 ms
+            # for the in-place batch with gloo out of the run, 1.05 ms right after it). A
+            # rotation kept the same successor for gloo in all but one repetition in ten.
+            for j in np.random.default_rng(r).permutation(len(names)):
                 local[r, j] = self._once(*cases[names[j]])
         slowest = np.max(np.array(self.comm.allgather(local)), axis=0)
         return {name: (float(np.median(slowest[:, j])), reps)
@@ -370,8 +378,9 @@ def busbw(nbytes: int, seconds: float, size: int) -> float:
     return nbytes / seconds * 2 * (size - 1) / size
 
 
-def run_cases(timer: Timer, cases: dict[str, tuple], nbytes: int, size: int, **labels) -> list:
-    timings, errors = timer.compare(cases)
+def run_cases(timer: Timer, cases: dict[str, tuple], nbytes: int, size: int,
+              min_reps: int | None = None, **labels) -> list:
+    timings, errors = timer.compare(cases, min_reps=min_reps)
     rows = [dict(labels, method=method, bytes=nbytes, time_s=seconds, reps=reps,
                  algbw=nbytes / seconds, busbw=busbw(nbytes, seconds, size))
             for method, (seconds, reps) in timings.items()]
@@ -393,7 +402,8 @@ def sweep(timer: Timer, contenders: Contenders, dtype: np.dtype, sizes: list[int
 def small(timer: Timer, contenders: Contenders, dtype: np.dtype) -> list:
     xs = [np.ones(SMALL_BYTES // dtype.itemsize, dtype=dtype) for _ in range(SMALL_COUNT)]
     cases = contenders.small_tensors(xs, f"small.{dtype.name}")
-    return run_cases(timer, cases, SMALL_COUNT * SMALL_BYTES, hvd.size(), dtype=dtype.name)
+    return run_cases(timer, cases, SMALL_COUNT * SMALL_BYTES, hvd.size(),
+                     min_reps=SMALL_MIN_REPS, dtype=dtype.name)
 
 
 def half_paths(timer: Timer, comm: MPI.Comm, nbytes: int) -> list:

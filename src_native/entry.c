@@ -66,20 +66,15 @@ static int param_index(PyObject *key) {
     return -1;
 }
 
-/* handle_map[handle] = ([handle], finish), as hpc_horovod.torch.mpi_ops._register. */
+/* handle_map[handle] = finish, as hpc_horovod.torch.mpi_ops._register does for an op of one
+ * engine handle (the handle itself). */
 static int register_torch(Entry *self, PyObject *handle, PyObject *tensor, PyObject *array,
                           int in_place) {
     PyObject *finish = hh_torch_result(tensor, array, self->finish, in_place);
-    PyObject *handles = finish != NULL ? PyList_New(1) : NULL;
-    PyObject *entry = NULL;
-    if (handles != NULL) {
-        PyList_SET_ITEM(handles, 0, Py_NewRef(handle));
-        entry = PyTuple_Pack(2, handles, finish);
-    }
-    int status = entry != NULL ? PyDict_SetItem(self->handle_map, handle, entry) : -1;
-    Py_XDECREF(entry);
-    Py_XDECREF(handles);
-    Py_XDECREF(finish);
+    if (finish == NULL)
+        return -1;
+    int status = PyDict_SetItem(self->handle_map, handle, finish);
+    Py_DECREF(finish);
     return status;
 }
 
@@ -150,30 +145,27 @@ static PyObject *torch_synchronize_call(Entry *self, PyObject *const *args, size
                                         PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL)
         return call_fallback(self, args, nargsf, kwnames);
-    PyObject *entry = PyDict_GetItemWithError(self->handle_map, args[0]);
-    if (entry == NULL) {
+    PyObject *finish = PyDict_GetItemWithError(self->handle_map, args[0]);
+    if (finish == NULL) {
         PyErr_Clear(); /* unhashable or unknown: the Python function says so */
         return call_fallback(self, args, nargsf, kwnames);
     }
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 ||
-        !hh_torch_result_check(PyTuple_GET_ITEM(entry, 1)) ||
-        !PyList_Check(PyTuple_GET_ITEM(entry, 0)) ||
-        PyList_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) != 1)
+    if (!hh_torch_result_check(finish))
         return call_fallback(self, args, nargsf, kwnames);
     PyObject *lane = current_lane(self);
     if (lane == NULL)
         return call_fallback(self, args, nargsf, kwnames);
-    Py_INCREF(entry);
+    Py_INCREF(finish);
     PyObject *req = NULL, *result = NULL, *out = NULL;
     if (PyDict_DelItem(self->handle_map, args[0]) == 0)
-        req = hh_lane_wait(lane, PyList_GET_ITEM(PyTuple_GET_ITEM(entry, 0), 0));
+        req = hh_lane_wait(lane, args[0]);
     if (req != NULL)
         result = hh_request_result(req);
     if (result != NULL)
-        out = hh_torch_finish(PyTuple_GET_ITEM(entry, 1), result);
+        out = hh_torch_finish(finish, result);
     Py_XDECREF(result);
     Py_XDECREF(req);
-    Py_DECREF(entry);
+    Py_DECREF(finish);
     Py_DECREF(lane);
     return out;
 }

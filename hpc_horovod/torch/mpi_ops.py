@@ -28,9 +28,10 @@ try:  # optional native fast path (src_native/); the package works without it
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
-#: torch handle -> (engine handles, function turning their results into the op's output). The
-#: engine's requests hold the numpy views, which keep the tensors' memory alive until done.
-_handle_map: dict[int, tuple[list[int], Callable[[list], object]]] = {}
+#: torch handle -> the function turning the engine's results into the op's output, for an op of
+#: one engine request (whose handle is the torch handle), or (engine handles, that function) for
+#: a group. The engine's requests hold the numpy views, which keep the tensors' memory alive.
+_handle_map: dict[int, Callable[[list], object] | tuple[list[int], Callable[[list], object]]] = {}
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -79,7 +80,7 @@ def _cpu_result(results: list) -> torch.Tensor:
 
 def _register(engine_handles: list[int], finish: Callable[[list], object]) -> int:
     handle = engine_handles[0]
-    _handle_map[handle] = (engine_handles, finish)
+    _handle_map[handle] = finish if len(engine_handles) == 1 else (engine_handles, finish)
     return handle
 
 
@@ -527,12 +528,13 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 # -- handles and synchronization ------------------------------------------------------------------
 
-def _entry(handle: int):
+def _entry(handle: int) -> tuple[list[int], Callable[[list], object]]:
     try:
-        return _handle_map[handle]
+        entry = _handle_map[handle]
     except (KeyError, TypeError):
         raise ValueError(f"handle {handle!r} was not returned by an async op of "
                          "hpc_horovod.torch, or it was already synchronized") from None
+    return entry if isinstance(entry, tuple) else ([handle], entry)
 
 
 def poll(handle: int) -> bool:

@@ -71,8 +71,9 @@ def test_cpu_tensors_give_the_python_results(dtype):
 def test_the_c_path_registers_its_handles_like_the_python_one():
     tensor = torch.ones(5)
     handle = hvd.allreduce_async_(tensor, name="registered", op=hvd.Sum)
-    engine_handles, finish = mpi_ops._handle_map[handle]
-    assert engine_handles == [handle] and isinstance(finish, _native.TorchResult)
+    finish = mpi_ops._handle_map[handle]  # one engine request: its handle is the torch handle
+    assert isinstance(finish, _native.TorchResult)
+    assert mpi_ops._entry(handle) == ([handle], finish)
     while not hvd.poll(handle):
         time.sleep(0.001)
     assert hvd.synchronize(handle) is tensor
@@ -86,12 +87,12 @@ def test_a_result_in_other_memory_is_written_back_or_wrapped():
     elsewhere into the tensor; out of place, ``to_torch`` wraps it."""
     tensor = torch.zeros(4)
     handle = hvd.allreduce_async_(tensor, name="elsewhere", op=hvd.Sum)
-    _, finish = mpi_ops._handle_map[handle]
+    finish = mpi_ops._handle_map[handle]
     hvd.synchronize(handle)
     assert finish([np.arange(4, dtype=np.float32)]) is tensor
     assert torch.equal(tensor, torch.arange(4, dtype=torch.float32))
     handle = hvd.allreduce_async(tensor, name="wrapped", op=hvd.Sum)
-    _, finish = mpi_ops._handle_map[handle]
+    finish = mpi_ops._handle_map[handle]
     hvd.synchronize(handle)
     wrapped = finish([np.full(2, 7, dtype=np.float64)])
     assert isinstance(wrapped, torch.Tensor) and torch.equal(wrapped, torch.full((2,), 7.0,

@@ -64,19 +64,39 @@ HH_AVX2 static inline __m256 load_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-/* Round eight floats to bfloat16 (nearest even; nan kept quiet), as hh_f32_to_bf16 does. */
-HH_AVX2 static inline void store_bf16x8(uint16_t *p, __m256 v) {
+/* Eight floats rounded to bfloat16 (nearest even; nan kept quiet), as hh_f32_to_bf16 does, each
+ * in the low half of its 32-bit lane. */
+HH_AVX2 static inline __m256i bf16_bits(__m256 v) {
     __m256i x = _mm256_castps_si256(v);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
     __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
     __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x400000));
     __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    __m256i high = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, is_nan), 16);
+}
+
+HH_AVX2 static inline void store_bf16x8(uint16_t *p, __m256 v) {
     /* pack 8 x u32 (each <= 0xffff) into 8 x u16: packus works per 128-bit lane, so pack the two
      * lanes against each other */
+    __m256i high = bf16_bits(v);
     __m128i lo = _mm256_castsi256_si128(high);
     __m128i hi = _mm256_extracti128_si256(high, 1);
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+/* Sixteen bfloat16 as two vectors of floats in the order the 16-bit unpacks give, lane by lane:
+ * elements 0-3 and 8-11 in `lo`, 4-7 and 12-15 in `hi`. One unpack per eight values (each
+ * value's bits become the high half of a float's), and store_bf16x16 packs them back in their
+ * order: for sums, where both sides are in the same order, this halves the shuffles of
+ * load_bf16x8. */
+HH_AVX2 static inline void load_bf16x16(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p), zero = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+}
+
+HH_AVX2 static inline void store_bf16x16(uint16_t *p, __m256 lo, __m256 hi) {
+    _mm256_storeu_si256((__m256i *)p, _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi)));
 }
 
 HH_AVX2 static void sum_f16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
@@ -96,6 +116,12 @@ HH_AVX2 static void sum_f16_avx2(const uint16_t *a, const uint16_t *b, uint16_t 
 HH_AVX2 static void sum_bf16_avx2(const uint16_t *a, const uint16_t *b, uint16_t *out,
                                    size_t n) {
     size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a0, a1, b0, b1;
+        load_bf16x16(a + i, &a0, &a1);
+        load_bf16x16(b + i, &b0, &b1);
+        store_bf16x16(out + i, _mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
+    }
     for (; i + 8 <= n; i += 8)
         store_bf16x8(out + i, _mm256_add_ps(load_bf16x8(a + i), load_bf16x8(b + i)));
     sum_bf16_scalar(a + i, b + i, out + i, n - i);
@@ -124,6 +150,11 @@ HH_AVX2 static void f32_to_f16_avx2(const float *src, uint16_t *dst, size_t n) {
 
 HH_AVX2 static void f32_to_bf16_avx2(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
+    for (; i + 16 <= n; i += 16) { /* packed lane by lane, then the four quarters in order */
+        __m256i packed = _mm256_packus_epi32(bf16_bits(_mm256_loadu_ps(src + i)),
+                                             bf16_bits(_mm256_loadu_ps(src + i + 8)));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_permute4x64_epi64(packed, 0xd8));
+    }
     for (; i + 8 <= n; i += 8)
         store_bf16x8(dst + i, _mm256_loadu_ps(src + i));
     f32_to_bf16_scalar(src + i, dst + i, n - i);

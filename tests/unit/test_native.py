@@ -96,11 +96,13 @@ def test_reduce_sum_into_a_third_array_leaves_its_inputs(kernels, dtype):
         assert_same(a, want)
 
 
-def test_kernels_cover_odd_lengths(kernels):
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+def test_kernels_cover_odd_lengths(kernels, dtype):
+    """Lengths across the 16-wide and 8-wide vector loops and the scalar tail."""
     rng = np.random.default_rng(1)
-    for n in (0, 1, 7, 8, 9, 15, 16, 17, 33):
-        a, b = (rng.standard_normal(n).astype(np.float16) for _ in range(2))
-        want = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+    for n in (0, 1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 47):
+        a, b = (rng.standard_normal(n).astype(dtype) for _ in range(2))
+        want = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
         _native.reduce_sum(a, b)
         assert_same(b, want)
 

@@ -88,7 +88,8 @@ class NodeAllreduce:
             self._segments[s][self.rank][:] = 0
             lo, hi = _slice_bounds(capacity, 1, n, self.rank)
             self._results[s][lo:hi] = 0
-        flags[self.rank * _ALIGN // 8] = 0
+        # this rank's counters (rounds written, rounds summed: window.h), before anyone reads them
+        flags[self.rank * _ALIGN // 8:][:_ALIGN // 8] = 0
         #: the native side (``src_native/window_object.c``): the native sums, and the slot
         #: counter every reduction shares; None without the extension
         self.native = None if _native is None else _native.Window(mem[:slots], flags,

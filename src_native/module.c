@@ -8,35 +8,16 @@
  *   pack(arrays, out, factor)   copy arrays back to back into out, times factor, casting
  *   unpack(buf, outputs, factor) the reverse
  *   kernels(), available_kernels(), use_kernels(name)  which SIMD flavour runs the loops
- *   peer_allow(), peer_read(pid, address, out), peer_write(pid, address, data),
- *   peer_table(inputs, outputs, table),
- *   peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch)
- *                               a fused allreduce through the peers' own memory (peer.h)
- *   Window                      fused allreduces through the node's shared window
- *                               (window_object.h, window.h)
- *   Request, Lane               the per-tensor path of submissions (lane.h)
- *   Entry                       public functions with their common case in C (entry.h)
  *
- *   TorchResult                 how an async op on a torch CPU tensor ends (torch_view.h)
- *
- * The buffer protocol reads arrays; numpy's C API builds the views of torch tensors and reads
- * the submissions' arrays (numpy_api.h). bfloat16 arrays (ml_dtypes) export no buffer format,
- * so they are recognised by their dtype's name.
+ * The buffer protocol reads arrays. bfloat16 arrays (ml_dtypes) export no buffer format, so they
+ * are recognised by their dtype's name.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define HH_NUMPY_IMPORT /* this file loads numpy's C API */
-#include "numpy_api.h"
-
 #include "convert.h"
-#include "entry.h"
 #include "kernels.h"
 #include "mpi_ops.h"
-#include "lane.h"
-#include "peer.h"
-#include "torch_view.h"
-#include "window_object.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
  * get it back (up to the 5 ms switch interval when that thread is busy). */
@@ -405,218 +386,6 @@ static PyObject *py_use_kernels(PyObject *self, PyObject *arg) {
 }
 
 /* The kind the native sums take for a dtype name, or HH_RAW for none. */
-/* ---- cross-memory reduction (peer.h) ------------------------------------------------------- */
-
-PyDoc_STRVAR(peer_allow_doc,
-"peer_allow() -> None\n\n"
-"Let processes of this user read and write this one's memory with process_vm_readv/writev,\n"
-"also where the Yama module limits that to descendants (as Open MPI's shared-memory transport\n"
-"does for its single-copy transfers). Raises OSError when refused.");
-
-static PyObject *py_peer_allow(PyObject *self, PyObject *unused) {
-    if (hh_peer_allow() != 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(peer_read_doc,
-"peer_read(pid, address, out) -> None\n\n"
-"Fill the writable buffer ``out`` with the bytes at ``address`` in process ``pid``.\n"
-"Raises OSError (EPERM where cross-memory attach is not allowed, ESRCH for no such process).");
-
-PyDoc_STRVAR(peer_write_doc,
-"peer_write(pid, address, data) -> None\n\n"
-"Write the bytes of the buffer ``data`` at ``address`` in process ``pid``. Raises OSError as\n"
-"peer_read does.");
-
-static PyObject *peer_copy(PyObject *args, int write) {
-    long pid;
-    unsigned long long address;
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, write ? "lKy*:peer_write" : "lKw*:peer_read", &pid, &address,
-                          &buf))
-        return NULL;
-    int status = hh_peer_copy(pid, (uint64_t)address, buf.buf, (size_t)buf.len, write);
-    PyBuffer_Release(&buf);
-    if (status != 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_peer_read(PyObject *self, PyObject *args) {
-    return peer_copy(args, 0);
-}
-
-static PyObject *py_peer_write(PyObject *self, PyObject *args) {
-    return peer_copy(args, 1);
-}
-
-PyDoc_STRVAR(peer_table_doc,
-"peer_table(inputs, outputs, table) -> int\n\n"
-"Describe a group for peer_reduce: row i of ``table`` (uint64, at least 3 x len(inputs)\n"
-"elements) becomes (address of inputs[i], address of outputs[i], bytes). Inputs and outputs are\n"
-"C-contiguous, outputs writable, each the size of its input (it may be the input itself).\n"
-"Returns the group's bytes. The arrays must outlive every peer's use of the table.");
-
-static PyObject *py_peer_table(PyObject *self, PyObject *args) {
-    PyObject *inputs_obj, *outputs_obj;
-    Py_buffer table;
-    if (!PyArg_ParseTuple(args, "OOw*:peer_table", &inputs_obj, &outputs_obj, &table))
-        return NULL;
-    PyObject *inputs = PySequence_Fast(inputs_obj, "peer_table: inputs must be a sequence");
-    PyObject *outputs = inputs == NULL ? NULL
-        : PySequence_Fast(outputs_obj, "peer_table: outputs must be a sequence");
-    PyObject *result = NULL;
-    if (outputs == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
-    if (PySequence_Fast_GET_SIZE(outputs) != n) {
-        PyErr_Format(PyExc_ValueError, "peer_table: %zd inputs but %zd outputs", n,
-                     PySequence_Fast_GET_SIZE(outputs));
-        goto done;
-    }
-    if (table.len < n * 3 * (Py_ssize_t)sizeof(uint64_t)) {
-        PyErr_Format(PyExc_ValueError, "peer_table: the table holds %zd bytes, %zd rows need %zd",
-                     table.len, n, n * 3 * (Py_ssize_t)sizeof(uint64_t));
-        goto done;
-    }
-    uint64_t *rows = table.buf;
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_buffer in, out;
-        PyObject *in_obj = PySequence_Fast_GET_ITEM(inputs, i);
-        PyObject *out_obj = PySequence_Fast_GET_ITEM(outputs, i);
-        if (out_obj == in_obj) { /* in place: one view, writable (half the cost of two) */
-            if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
-                prefix_error("peer_table", "outputs", i, 1);
-                goto done;
-            }
-            rows[i * 3] = rows[i * 3 + 1] = (uint64_t)(uintptr_t)in.buf;
-            rows[i * 3 + 2] = (uint64_t)in.len;
-            total += in.len;
-            PyBuffer_Release(&in);
-            continue;
-        }
-        if (PyObject_GetBuffer(in_obj, &in, PyBUF_C_CONTIGUOUS) != 0) {
-            prefix_error("peer_table", "inputs", i, 0);
-            goto done;
-        }
-        if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
-            PyBuffer_Release(&in);
-            prefix_error("peer_table", "outputs", i, 1);
-            goto done;
-        }
-        rows[i * 3] = (uint64_t)(uintptr_t)in.buf;
-        rows[i * 3 + 1] = (uint64_t)(uintptr_t)out.buf;
-        rows[i * 3 + 2] = (uint64_t)in.len;
-        Py_ssize_t in_len = in.len, out_len = out.len;
-        PyBuffer_Release(&in);
-        PyBuffer_Release(&out);
-        if (in_len != out_len) {
-            PyErr_Format(PyExc_ValueError, "peer_table: outputs[%zd] has %zd bytes, its input %zd",
-                         i, out_len, in_len);
-            goto done;
-        }
-        total += in_len;
-    }
-    result = PyLong_FromSsize_t(total);
-done:
-    Py_XDECREF(inputs);
-    Py_XDECREF(outputs);
-    PyBuffer_Release(&table);
-    return result;
-}
-
-PyDoc_STRVAR(peer_reduce_doc,
-"peer_reduce(pids, tables, rank, lo, hi, dtype, factor, scratch) -> None\n\n"
-"This rank's share of a Sum over the ranks of one node: bytes [lo, hi) of the group that\n"
-"``tables`` (uint64, one peer_table per rank, in rank order) describe are read from every\n"
-"peer's inputs, summed with this rank's in rank order (float16/bfloat16 in float32, rounded\n"
-"once), multiplied by ``factor`` and written into this rank's outputs and every peer's.\n"
-"``dtype``: 'float16', 'bfloat16', 'float32' or 'float64'; ``scratch``: a writable buffer of\n"
-"at least (ranks - 1) x peer_chunk() bytes. Raises OSError naming the peer that could not be\n"
-"read or written.");
-
-static PyObject *py_peer_reduce(PyObject *self, PyObject *args) {
-    PyObject *pids_obj;
-    Py_buffer tables, scratch;
-    int rank;
-    Py_ssize_t lo, hi;
-    const char *dtype;
-    double factor;
-    if (!PyArg_ParseTuple(args, "Oy*innsdw*:peer_reduce", &pids_obj, &tables, &rank, &lo, &hi,
-                          &dtype, &factor, &scratch))
-        return NULL;
-    PyObject *result = NULL;
-    long *pids = NULL;
-    PyObject *seq = PySequence_Fast(pids_obj, "peer_reduce: pids must be a sequence");
-    if (seq == NULL)
-        goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    hh_kind kind = hh_summed_kind(dtype);
-    size_t row_bytes = 3 * sizeof(uint64_t);
-    if (kind == HH_RAW) {
-        PyErr_Format(PyExc_TypeError, "peer_reduce: no sum of %s (float16, bfloat16, float32 or "
-                     "float64)", dtype);
-        goto done;
-    }
-    if (n < 1 || rank < 0 || rank >= n || tables.len % ((Py_ssize_t)row_bytes * n) != 0) {
-        PyErr_Format(PyExc_ValueError, "peer_reduce: rank %d of %zd ranks, tables of %zd bytes",
-                     rank, n, tables.len);
-        goto done;
-    }
-    size_t count = (size_t)tables.len / (row_bytes * (size_t)n);
-    const uint64_t *own = (const uint64_t *)tables.buf + (size_t)rank * count * 3;
-    size_t total = 0, item = kind == HH_F64 ? 8 : kind == HH_F32 ? 4 : 2;
-    for (size_t i = 0; i < count; i++)
-        total += (size_t)own[i * 3 + 2];
-    if (lo < 0 || lo > hi || (size_t)hi > total || lo % (Py_ssize_t)item || hi % (Py_ssize_t)item) {
-        PyErr_Format(PyExc_ValueError, "peer_reduce: bytes [%zd, %zd) of a group of %zu bytes of "
-                     "%s", lo, hi, total, dtype);
-        goto done;
-    }
-    if ((size_t)scratch.len < (size_t)(n - 1) * HH_PEER_CHUNK) {
-        PyErr_Format(PyExc_ValueError, "peer_reduce: scratch holds %zd bytes, %zd ranks need %zu",
-                     scratch.len, n, (size_t)(n - 1) * HH_PEER_CHUNK);
-        goto done;
-    }
-    pids = PyMem_Malloc((size_t)n * sizeof(long));
-    if (pids == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t q = 0; q < n; q++) {
-        pids[q] = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, q));
-        if (pids[q] == -1 && PyErr_Occurred())
-            goto done;
-    }
-    hh_peer_job job = {(int)n, rank, pids, tables.buf, count, (size_t)lo, (size_t)hi, kind,
-                       factor, scratch.buf};
-    char error[256];
-    int status;
-    if (hi - lo >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        status = hh_peer_reduce(&job, error, sizeof error);
-        Py_END_ALLOW_THREADS
-    } else {
-        status = hh_peer_reduce(&job, error, sizeof error);
-    }
-    if (status != 0)
-        PyErr_Format(PyExc_OSError, "peer_reduce: %s", error);
-    else
-        result = Py_NewRef(Py_None);
-done:
-    PyMem_Free(pids);
-    Py_XDECREF(seq);
-    PyBuffer_Release(&tables);
-    PyBuffer_Release(&scratch);
-    return result;
-}
-
-static PyObject *py_peer_chunk(PyObject *self, PyObject *unused) {
-    return PyLong_FromSize_t(HH_PEER_CHUNK);
-}
-
 static PyMethodDef methods[] = {
     {"has_half_sum", py_has_half_sum, METH_NOARGS, has_half_sum_doc},
     {"half_sum_op", py_half_sum_op, METH_O, half_sum_op_doc},
@@ -630,36 +399,23 @@ static PyMethodDef methods[] = {
      "available_kernels() -> tuple[str, ...]\n\nThe flavours this CPU can run, best last."},
     {"use_kernels", py_use_kernels, METH_O,
      "use_kernels(name) -> str\n\nRun the loops with flavour ``name``; returns the previous one."},
-    {"peer_allow", py_peer_allow, METH_NOARGS, peer_allow_doc},
-    {"peer_read", py_peer_read, METH_VARARGS, peer_read_doc},
-    {"peer_write", py_peer_write, METH_VARARGS, peer_write_doc},
-    {"peer_table", py_peer_table, METH_VARARGS, peer_table_doc},
-    {"peer_reduce", py_peer_reduce, METH_VARARGS, peer_reduce_doc},
-    {"peer_chunk", py_peer_chunk, METH_NOARGS,
-     "peer_chunk() -> int\n\nBytes of scratch peer_reduce needs per peer."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hpc_horovod._native",
-    .m_doc = "Native fast paths: float16/bfloat16 MPI sums, fused pack/unpack with scaling, and "
-             "fused sums through the memory of the node's other ranks.",
+    .m_doc = "Native kernels: float16/bfloat16 MPI sums, fused pack/unpack with scaling.",
     .m_size = -1,
     .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    import_array();
     hh_kernels_init();
     str_dtype = PyUnicode_InternFromString("dtype");
     str_name = PyUnicode_InternFromString("name");
     if (str_dtype == NULL || str_name == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (hh_lane_register(m) < 0 || hh_entry_register(m) < 0 ||
-                      hh_torch_register(m) < 0 ||
-                      hh_window_register(m) < 0))
-        Py_CLEAR(m);
     return m;
 }

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common.types import Adasum
+from .base import Backend
 
 
-class SingleBackend:
+class SingleBackend(Backend):
     name = "single"
     rank = 0
     size = 1
-    fusion_capacity = None
-    window = None
 
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
         return None
@@ -26,9 +24,6 @@ class SingleBackend:
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return values.copy()
-
-    def staging(self, count: int, dtype: np.dtype) -> None:
-        return None
 
     def allreduce(self, buf: np.ndarray, op: int) -> None:
         return None
@@ -51,10 +46,5 @@ class SingleBackend:
     def sub(self, ranks) -> SingleBackend:
         return SingleBackend()
 
-    def release_shared_memory(self) -> None:
-        return None
-
     def free(self) -> None:
         return None
-
-    supports_op = staticmethod(lambda op: op != Adasum)

@@ -9,23 +9,11 @@ of the rank waits for a result, waits yield the core rather than sleep (``common
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 import time
 
 from ..common import patience
 from ..common.errors import HorovodInternalError
-
-
-def _tight_sleeps() -> None:
-    """Ask Linux for 1 us timer slack on this thread so the back-off sleeps last microseconds,
-    not the default 50 us (PR_SET_TIMERSLACK)."""
-    try:
-        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
 
 #: Requests given up on. A peer that comes late still completes them, and MPI then writes into
 #: their receive buffers: mpi4py's request holds those buffers, so it must never be freed.
@@ -37,16 +25,12 @@ class RequestWaiter:
 
     def __init__(self, size: int):
         self.size = size
-        self._slack_threads: set[int] = set()  # threads that ran _tight_sleeps
 
     def wait(self, req, timeout_s: float, what: str) -> None:
         """Return once ``req`` completes; raise HorovodInternalError after ``timeout_s``
         (0: never) naming ``what`` was waited for."""
         if req.Test():
             return
-        if threading.get_ident() not in self._slack_threads:  # the engine's, or a waiter's
-            _tight_sleeps()
-            self._slack_threads.add(threading.get_ident())
         start = time.perf_counter()
         spin_until = start + 50e-6
         yield_until = start + patience.yield_s()

@@ -93,9 +93,6 @@ class _State:
 
 
 _state: _State | None = None
-#: the engine's native per-tensor path (``Engine.lane``) while initialized, else None: the ops
-#: read it once per tensor
-lane = None
 _hooks_installed = False
 
 
@@ -136,19 +133,9 @@ def _start_mpi(MPI) -> None:
     atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
 
 
-def _yield_when_cores_are_short(topo) -> None:
-    """Each rank runs two busy threads (the training and the engine). Where they outnumber the
-    cores, Open MPI's spinning waits take the core a peer's training needs, so ask Open MPI to
-    yield while it waits (read at MPI_Init; a user's own setting wins)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if 2 * (topo.local_size or 1) > (os.cpu_count() or 1) or (cores or 1) < 2:
-        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-
-
 def _mpi_backend(topo, comm, settings: Settings):
     if comm is None:
         _check_srun_plugin(topo)
-    _yield_when_cores_are_short(topo)
     try:
         from mpi4py import MPI
     except ImportError:
@@ -188,7 +175,7 @@ def _mpi_backend(topo, comm, settings: Settings):
         topo = replace(topo, rank=dup.Get_rank(), size=dup.Get_size(), local_rank=None,
                        local_size=None, cross_rank=None, cross_size=None)
     topo = _complete_topology(topo, dup)
-    return topo, MpiBackend(dup, settings.shared_memory), dup, MPI.Query_thread()
+    return topo, MpiBackend(dup), dup, MPI.Query_thread()
 
 
 def _check_srun_plugin(topo) -> None:
@@ -246,7 +233,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     ``comm``: an mpi4py communicator (or a list of world ranks) to run on instead of the whole
     job. Without a launcher, and without ``comm``, the process runs alone and MPI is not loaded.
     """
-    global _state, lane
+    global _state
     if _state is not None:
         return
     settings = Settings.from_env()
@@ -275,7 +262,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
         ps.process_set_id = ps_id
         state.process_sets[ps_id] = ps
     engine.start()
-    _state, lane = state, engine.lane
+    _state = state
     _install_hooks()
 
 
@@ -301,11 +288,11 @@ def _install_hooks() -> None:
 
 def shutdown() -> None:
     """Stop the engine on every rank. Pending handles raise; ``init`` may be called again."""
-    global _state, lane
+    global _state
     state = _state
     if state is None:
         return
-    _state, lane = None, None
+    _state = None
     state.engine.shutdown()
     state.engine.free_backends()
     for ps in state.process_sets.values():

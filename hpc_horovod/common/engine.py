@@ -28,14 +28,12 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import sys
 import threading
 import time
 
 import numpy as np
 
-from . import patience
 from .collectives import (
     adasum_one,
     allgather_group,
@@ -44,7 +42,7 @@ from .collectives import (
     reducescatter_one,
 )
 from .config import Settings
-from .errors import SHUT_DOWN, HorovodInternalError, window_timeout
+from .errors import SHUT_DOWN, HorovodInternalError
 from .fusion import FusedAllreduce, group_allreduces
 from .negotiation import (
     FLAG_ABORT,
@@ -52,7 +50,6 @@ from .negotiation import (
     FLAG_SHUTDOWN,
     FLAG_STALL,
     FLAG_UNCACHED,
-    FLAG_WRITES_BACK,
     ResponseCache,
     iter_bits,
     match,
@@ -61,13 +58,8 @@ from .negotiation import (
     unpack_words,
 )
 from .patience import waiting_caller
-from .request import _SIGNATURES, Request, signature_of
+from .request import Request
 from .types import Adasum, Signature
-
-try:  # optional native fast path (src_native/lane.c); the package works without it
-    from .._native import Lane  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the build
-    Lane = None
 
 log = logging.getLogger("hpc_horovod")
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
@@ -79,20 +71,6 @@ WAIT_POLL_S = 0.001
 _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
               "another tensor that is currently being processed.  If you want to request "
               "another tensor, use a different tensor name. [{}]")
-
-
-def _no_wakeup_preemption() -> None:
-    """Run the calling thread (the engine's) under ``SCHED_BATCH``: same share of the core,
-    but a submission that wakes it does not hand it the core there and then. The submitter
-    goes on submitting (or computing), and the thread runs at the scheduler's next tick or as
-    soon as the submitter blocks, which on a node with one core per rank is most often when it
-    waits, and then runs the cycle itself. Two ranks here, 200 x 16 KiB in place: 0.04-0.11 ms
-    less per batch (0.68-0.86 against 0.72-0.98 ms, alternated), training throughput
-    unchanged. Linux only; elsewhere nothing changes."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or refused: the default policy stays
-        pass
 
 
 class Plan:
@@ -110,8 +88,7 @@ class Plan:
 
     __slots__ = ("names", "sigs", "steps", "order")
 
-    def __init__(self, names: list[str], sigs: list[Signature], threshold: int,
-                 host_capacity: int | None = None):
+    def __init__(self, names: list[str], sigs: list[Signature], threshold: int):
         reductions, gathers, devices, others = [], [], [], []
         for i, sig in enumerate(sigs):
             if sig.kind == "allreduce" and sig.op != Adasum:
@@ -121,7 +98,7 @@ class Plan:
             else:
                 others.append(i)
         groups = [("ALLREDUCE", g, True)
-                  for g in group_allreduces(sigs, reductions, threshold, host_capacity)]
+                  for g in group_allreduces(sigs, reductions, threshold)]
         groups += [("ALLGATHER", g, False) for g in (gathers, devices) if g]
         groups += [(sigs[i].kind.upper(), [i], False) for i in others]
         self.order, self.steps = [], []
@@ -134,10 +111,9 @@ class Plan:
         self.sigs = [sigs[i] for i in self.order]
 
 
-def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool, bool]:
+def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool]:
     """(the response cache's bits of the pending requests it holds with the same signature,
-    whether some request is not there, whether every request writes into an output):
-    ``Lane.cache_bits`` in C."""
+    whether some request is not there)."""
     bits, uncached = 0, False
     for name, req in pending.items():
         entry = entries.get(name)
@@ -145,7 +121,7 @@ def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool, 
             bits |= 1 << entry[0]
         else:
             uncached = True
-    return bits, uncached, all(req.output is not None for req in pending.values())
+    return bits, uncached
 
 
 class ProcessSetState:
@@ -176,8 +152,7 @@ class ProcessSetState:
         if plan is None:
             names = [cache.name(bit) for bit in iter_bits(ready_bits)]
             sigs = [cache.signature(name) for name in names]
-            plan = self._plans[ready_bits] = Plan(names, sigs, threshold,
-                                                  self.backend.fusion_capacity)
+            plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
         return plan
 
 
@@ -237,14 +212,6 @@ class Engine:
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
-        #: the per-tensor path in C: :meth:`submit`, :meth:`wait` and the ops' allreduce
-        #: submissions (``ops.native_allreduce``); None without the native extension
-        self.lane = None
-        self._cache_bits, self._complete_group = _cache_bits, self._forget_done
-        if Lane is not None:
-            self.lane = Lane(self, _SIGNATURES, signature_of, np.ndarray)
-            self.submit, self.wait = self.lane.push, self.lane.wait
-            self._cache_bits, self._complete_group = self.lane.cache_bits, self.lane.complete
 
     # -- caller side ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -283,9 +250,7 @@ class Engine:
         """:meth:`enqueue` of one request: the path every gradient takes.
 
         No lock here: the GIL makes ``dict.setdefault``, ``deque.append`` and ``next(count)``
-        atomic, and the engine thread is woken only when it sleeps. With the native extension
-        ``Lane.push`` replaces this method: the same steps in C, calling back here for errors
-        and wake-ups.
+        atomic, and the engine thread is woken only when it sleeps.
         """
         if self._closed:
             self._raise_if_stopped()
@@ -356,9 +321,7 @@ class Engine:
         sleeping in turn: two thread switches (each about 20 us here, more on a shared core)
         are most of the latency of a small synchronous allreduce. Meanwhile the engine thread
         leaves the cycles to it (see _loop): a timer cycle of its own would only make the
-        caller wait for the lock. With the native extension ``Lane.wait`` takes this
-        method's place on the instance: it hands back completed requests itself and calls
-        this method for the others.
+        caller wait for the lock.
         """
         req = self._handles.get(handle)
         if req is None:
@@ -417,7 +380,6 @@ class Engine:
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        _no_wakeup_preemption()
         try:
             self._loop()
         finally:  # normally already stopped by the cycle that agreed on it, or failed
@@ -490,10 +452,7 @@ class Engine:
         reason = self._shutdown_reason
         queue, sets, tl = self._queue, self._sets, self.timeline
         now = time.monotonic()
-        if queue and self.lane is not None and tl is None:
-            for req in self.lane.admit(now):
-                self._admit(req)
-        while queue:  # what the lane did not take (a timeline records every admission)
+        while queue:
             req = queue.popleft()
             req.submitted_at = now
             ps = sets.get(req.process_set_id)
@@ -533,7 +492,7 @@ class Engine:
             self._worked = True
         if joined:
             bits = cache.valid_bits()
-        cached, uncached, writes_back = self._cache_bits(pending, cache.entries)
+        cached, uncached = _cache_bits(pending, cache.entries)
         bits |= cached
         if uncached:
             or_flags |= FLAG_UNCACHED
@@ -549,8 +508,6 @@ class Engine:
         if shutdown_reason is not None:
             or_flags |= FLAG_SHUTDOWN
         and_flags = FLAG_JOINED if joined else 0
-        if writes_back:
-            and_flags |= FLAG_WRITES_BACK
         words = pack_words(or_flags, and_flags, bits, cache.nwords)
         backend.negotiate(words, settings.peer_timeout_s)
         or_all, and_all, ready_bits = unpack_words(words)
@@ -571,10 +528,10 @@ class Engine:
             known = len(names)
             stop = self._full_negotiation(ps, or_all, shutdown_reason, names, sigs, reqs)
             if len(names) > known:
-                plan = Plan(names, sigs, settings.fusion_threshold, backend.fusion_capacity)
+                plan = Plan(names, sigs, settings.fusion_threshold)
                 reqs = [reqs[i] for i in plan.order]
         if plan is not None:
-            self._execute(ps, plan, reqs, bool(and_all & FLAG_WRITES_BACK))
+            self._execute(ps, plan, reqs)
         if all_joined:
             self._finish_join(ps)
         return stop
@@ -613,9 +570,6 @@ class Engine:
                 if backend.rank == 0:
                     print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
         if or_all & FLAG_SHUTDOWN:
-            # Every member is in this cycle, whichever way it ends for it: the one moment a
-            # collective free cannot wait for a rank that is not coming.
-            backend.release_shared_memory()
             stopping = [(ps.ranks[r], g[2]) for r, g in enumerate(gathered) if g[2] is not None]
             errors = [(r, why) for r, why in stopping if why]
             if errors:
@@ -629,40 +583,18 @@ class Engine:
             return True
         return False
 
-    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None],
-                 writes_back: bool) -> None:
-        """Run the plan's steps; ``writes_back``: every rank's requests write their results
-        into outputs (agreed in the negotiation), so fused groups may use a shared window."""
+    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None]) -> None:
+        """Run the plan's steps, in the same order on every rank."""
         backend, tl = ps.backend, self.timeline
-        # Groups summed through the node's window run whole in C: no Python per group, none
-        # per tensor.
-        window = backend.window if tl is None else None
         for activity, start, stop, fused in plan.steps:
-            if window is not None and fused is not None:
-                how = fused.window_sum(backend, window)
-                if how is not None and self._sum_in_window(window, reqs, start, stop, how):
-                    continue
             sigs, group = plan.sigs[start:stop], reqs[start:stop]
             if fused is not None:
-                fn = functools.partial(fused, backend, group, writes_back)
+                fn = functools.partial(fused, backend, group)
             elif activity == "ALLGATHER":
                 fn = functools.partial(allgather_group, backend, list(zip(sigs, group)))
             else:
                 fn = functools.partial(self._execute_one, ps, sigs[0], group[0])
             self._run_group(backend, sigs[0].device, group, tl, activity, fn)
-
-    def _sum_in_window(self, window, reqs: list[Request | None], start: int, stop: int,
-                       how: tuple) -> bool:
-        """``Lane.sum_in_window`` of ``reqs[start:stop]`` as ``how`` (see
-        ``FusedAllreduce.window_sum``) says; False when it declined (a joined rank's None, an
-        output it cannot write into as it is), having done nothing."""
-        dtype, factor, fresh = how
-        try:
-            return self.lane.sum_in_window(window, reqs, start, stop, dtype, factor,
-                                           self.settings.peer_timeout_s, patience.yield_s(),
-                                           fresh)
-        except TimeoutError as exc:  # the requests are failed with it as the engine stops
-            raise window_timeout(stop - start, dtype, exc) from None
 
     def _execute_one(self, ps: ProcessSetState, sig, req) -> None:
         backend = ps.backend
@@ -692,7 +624,6 @@ class Engine:
                 for pending in list(state.pending.values()):
                     self._complete(pending, error=ValueError(
                         f"process set {sig.root} was removed while this op was pending"))
-                state.backend.release_shared_memory()
                 state.backend.free()
         else:  # pragma: no cover - guarded at submission
             raise ValueError(f"unknown collective {sig.kind}")
@@ -725,7 +656,7 @@ class Engine:
             for req in group:
                 if req is not None:
                     tl.op_end(req.name)
-        self._complete_group(group)
+        self._forget_done(group)
 
     @staticmethod
     def _on_device_stream(backend, group, fn):
@@ -757,7 +688,7 @@ class Engine:
         self._complete(req)
 
     def _forget_done(self, group: list[Request | None]) -> None:
-        """Mark a group's requests done and free their names (``Lane.complete`` in C)."""
+        """Mark a group's requests done and free their names."""
         forget = self._inflight.pop
         for req in group:
             if req is not None:

@@ -3,24 +3,16 @@
 Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
 prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
 pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
-unpacking them copies nothing; in-place requests are written back.
-
-When every rank is on one node, float sums skip the fusion buffer altogether (see
-:func:`node_sum`): fused groups and tensors alone up to 8 MiB go through the node's shared
-window, each rank copying in and out only what the others sum (``backends/shm.py``), and larger
-tensors are summed straight from the peers' tensors into theirs (``backends/peer.py``). Other
-groups whose every rank's requests of the cycle are in place are packed into and read back from
-the shared window, which spares MPI's copies in and out. float16/bfloat16 are reduced in
-float32 unless the native extension provides MPI operations for them.
+unpacking them copies nothing; in-place requests are written back. A tensor alone in its group
+(a large gradient, or a bucket that is already one flat tensor) is reduced in its own memory,
+without the fusion buffer. float16/bfloat16 are reduced in float32 unless the native extension
+provides MPI operations for them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 import sys
-from collections.abc import Callable
 
 import numpy as np
 
@@ -102,12 +94,9 @@ def _scale_inplace(buf: np.ndarray, factor: float) -> None:
         _scale_into(buf, factor, buf)
 
 
-_tensor_of, _output_of = operator.attrgetter("tensor"), operator.attrgetter("output")
-
-
 class FusedAllreduce:
     """Allreduce of a group of agreed tensors (same dtype, op and scale factors) through one
-    fusion buffer and one backend call, or through the peers' memory where that pays.
+    fusion buffer and one backend call.
 
     The per-tensor layout (shapes and offsets in the buffer) is computed once, when the engine
     first plans this set of tensors; a training step that submits the same gradients again
@@ -115,12 +104,11 @@ class FusedAllreduce:
     its result view back.
     """
 
-    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat", "_reduction", "_window")
+    __slots__ = ("sig", "shapes", "bounds", "sizes", "total", "flat", "_reduction")
 
     def __init__(self, sigs: list[Signature]):
         self.sig = sigs[0]
         self._reduction: tuple | None = None  # see reduction()
-        self._window: tuple | None = None  # see window_sum()
         self.shapes = [s.shape for s in sigs]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.bounds, offset = [], 0
@@ -130,20 +118,14 @@ class FusedAllreduce:
         self.total = offset
         self.flat = all(len(shape) == 1 for shape in self.shapes)
 
-    def __call__(self, backend, reqs: list[Request | None], writes_back: bool = False) -> None:
+    def __call__(self, backend, reqs: list[Request | None]) -> None:
         """Reduce ``reqs`` (in this group's order). A ``None`` request is a joined rank's
-        share: it contributes zeros. ``writes_back``: every rank agreed that all its requests
-        write their results into outputs, none handed out as views of the fusion buffer."""
+        share: it contributes zeros."""
         sig = self.sig
         dtype, op, wire, pre, post = self.reduction(backend.size)
         if sig.device:
             _allreduce_device_group(backend, self, reqs, dtype, op, pre, post)
             return
-        if op == Sum and post == 1.0:
-            sum_across = node_sum(backend, dtype, self.total * dtype.itemsize, len(reqs))
-            if sum_across is not None:
-                self._sum_across(sum_across, reqs, dtype, pre, writes_back)
-                return
         if len(reqs) == 1 and wire == dtype:
             _reduce_one(backend, reqs[0], self.shapes[0], dtype, op, pre, post)
             return
@@ -152,28 +134,19 @@ class FusedAllreduce:
                      for req, n in zip(reqs, self.sizes)]
         else:
             parts = [req.tensor for req in reqs]
-        # Results copied out anyway are read straight from the node's shared window when there
-        # is one; results handed out as views need a fusion buffer of their own (a copy out of
-        # the window would cost what the window saves). The choice must be the same on every
-        # rank, so it rests on what they agreed, never on this rank's own requests.
-        staged = backend.staging(self.total, wire) if writes_back else None
-        buf = staged if staged is not None else pool.empty((self.total,), wire)
+        buf = pool.empty((self.total,), wire)
         # One call packs the whole group, scaling and widening on the way.
         if _native is not None and (pre == 1.0 or dtype.kind == "f"):
             _native.pack(parts, buf, pre)
         else:
             np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
             _scale_inplace(buf, pre)
-        if staged is not None:
-            reduced = backend.reduce_staged(staged, op)
-        else:
-            backend.allreduce(buf, op)
-            reduced = buf
+        backend.allreduce(buf, op)
         as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
         if not as_views:
-            self._unpack(reqs, reduced, dtype, post)
+            self._unpack(reqs, buf, dtype, post)
             return
-        # Views of the fusion buffer, fresh from the pool (staged groups always write back).
+        # Views of the fusion buffer, fresh from the pool.
         _scale_inplace(buf, post)
         if self.flat:
             for req, (a, b) in zip(reqs, self.bounds):
@@ -195,52 +168,6 @@ class FusedAllreduce:
                 size, dtype, Sum if sig.op == Average else sig.op,
                 wire_dtype(dtype, sig.op, sig.device), *scale_factors(sig, size))
         return cached[1:]
-
-    def window_sum(self, backend, window) -> tuple[str, float, Callable[[], np.ndarray]] | None:
-        """(dtype name, factor, fresh) when this group is summed natively through ``window``,
-        the backend's :attr:`window`: ``Lane.sum_in_window`` then runs it whole in C, results
-        of out-of-place requests in views of one ``fresh()`` buffer, as ``__call__`` gives
-        them. None when it goes another way. Decided once per window, as ``__call__`` decides
-        it every time: the answer rests on what every rank agreed and on the window's dtypes
-        and capacity, which do not change while it lives."""
-        cached = self._window
-        if cached is None or cached[0] is not window:
-            dtype, op, _, pre, post = self.reduction(backend.size)
-            nbytes, count = self.total * dtype.itemsize, len(self.sizes)
-            # (a tensor alone from PEER_BYTES may go through the peers' memory, whose first
-            # question is collective: left to __call__)
-            through_window = (not self.sig.device and op == Sum and post == 1.0
-                              and (count > 1 or nbytes < PEER_BYTES)
-                              and node_sum(backend, dtype, nbytes, count) == backend.sum_in_window)
-            how = (dtype.name, pre, functools.partial(pool.empty, (self.total,), dtype))
-            cached = self._window = (window, how if through_window else None)
-        return cached[1]
-
-    def _sum_across(self, sum_across, reqs, dtype: np.dtype, factor: float,
-                    writes_back: bool) -> None:
-        """Sum every rank's tensors into every rank's outputs with ``sum_across(inputs,
-        outputs, dtype, factor)`` (see :func:`node_sum`); results of out-of-place requests are
-        views of one fresh buffer. ``writes_back``: as in ``__call__``, which also means that
-        every request here has an output."""
-        if writes_back and None not in reqs:  # every request has an output: a gradient step
-            # (a request's result is its output from the start: see Request)
-            sum_across(list(map(_tensor_of, reqs)), list(map(_output_of, reqs)), dtype, factor)
-            return
-        inputs, outputs, fresh = [], [], None
-        for req, n, (a, b) in zip(reqs, self.sizes, self.bounds):
-            if req is not None and req.output is not None:
-                inputs.append(req.tensor)
-                outputs.append(req.output)
-                continue
-            if fresh is None:
-                fresh = pool.empty((self.total,), dtype)
-            # a joined rank's share is zeros, its result dropped
-            inputs.append(req.tensor if req is not None else np.zeros(n, dtype))
-            outputs.append(fresh[a:b])
-        sum_across(inputs, outputs, dtype, factor)
-        for req, out, shape in zip(reqs, outputs, self.shapes):
-            if req is not None:
-                req.result = out if req.output is not None or self.flat else out.reshape(shape)
 
     def _unpack(self, reqs, reduced: np.ndarray, dtype, post: float) -> None:
         """Copy each request's part of ``reduced``, scaled by ``post``, into its output (a new
@@ -302,51 +229,17 @@ def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.
     req.result = out
 
 
-#: Tensors this large are reduced on their own: in place that skips both fusion buffer copies
-#: (for a 4 MiB gradient about as long as the reduction itself), for the price of one more
-#: backend call, negligible at this size.
+#: Tensors this large are reduced on their own, in their own memory: in place that skips both
+#: copies through the fusion buffer, for the price of one more backend call.
 SOLO_BYTES = 1 << 20
 
-#: A tensor alone in its group goes through the node's shared window from this size (below,
-#: MPI's own small-message allreduce is as fast as the window's two arrivals).
-WINDOW_MIN_BYTES = 8 << 10
-#: A tensor alone goes through the peers' memory from this size (``backends/peer.py``): there
-#: the window's copies cost more than the pages the peers' memory pins (8-16 MiB: 1.12x its
-#: time), and above 16 MiB Open MPI 4.1's shared-memory allreduce slows down to 2 GB/s, 3-4x
-#: slower than the peers' memory.
-PEER_BYTES = 8 << 20
 
-
-def node_sum(backend, dtype: np.dtype, nbytes: int, count: int):
-    """How a float sum of ``count`` tensors and ``nbytes`` crosses the node's ranks, if not by
-    MPI or the Python window: ``backend.sum_in_window`` (fused groups, and tensors alone from
-    ``WINDOW_MIN_BYTES``), ``backend.reduce_through_peers`` (tensors alone from
-    ``PEER_BYTES``) or None. It rests on what every rank agreed, so every rank takes the same
-    way.
-
-    Through the window each rank copies (n-1)/n of the group in and as much out, with streaming
-    stores, pins no pages and exchanges no table, and two arrivals in shared memory replace
-    MPI's barrier. Two ranks here: 0.7-1.0x the time of the peers' memory for fused groups of
-    4 KiB to 900 KiB tensors (80 KB to 14 MB), and 0.4-0.7x the time of MPI's in-place
-    allreduce for a tensor alone of 64 KiB to 4 MiB.
-    """
-    if count == 1 and nbytes >= PEER_BYTES and hasattr(backend, "reduces_through_peers") \
-            and backend.reduces_through_peers(dtype):  # collective the first time
-        return backend.reduce_through_peers
-    if ((count > 1 or nbytes >= WINDOW_MIN_BYTES) and hasattr(backend, "sums_in_window")
-            and backend.sums_in_window(dtype) and nbytes <= backend.fusion_capacity):
-        return backend.sum_in_window
-    return None
-
-
-def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int,
-                     host_capacity: int | None = None) -> list[list[int]]:
+def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int
+                     ) -> list[list[int]]:
     """Split ready allreduces (``indices`` into ``sigs``) into fusable groups (same dtype, op,
-    scales and device, at most ``threshold`` bytes each, and at most ``host_capacity`` for host
-    tensors when the backend stages them in a shared window of that size; tensors of
-    ``SOLO_BYTES`` or more alone), keeping the agreed order inside each."""
+    scales and device, at most ``threshold`` bytes each; tensors of ``SOLO_BYTES`` or more
+    alone), keeping the agreed order inside each."""
     threshold = max(threshold, 1)
-    host_threshold = min(threshold, host_capacity) if host_capacity else threshold
     open_groups: dict[tuple, list] = {}  # key -> [bytes, indices] of the group being filled
     order: list[list] = []
     for i in indices:
@@ -356,9 +249,8 @@ def group_allreduces(sigs: list[Signature], indices: list[int], threshold: int,
             order.append([nbytes, [i]])
             continue
         key = (sig.dtype, sig.op, sig.prescale, sig.postscale, sig.device)
-        limit = threshold if sig.device else host_threshold
         current = open_groups.get(key)
-        if current is None or (current[0] + nbytes > limit and current[1]):
+        if current is None or (current[0] + nbytes > threshold and current[1]):
             current = open_groups[key] = [0, []]
             order.append(current)
         current[0] += nbytes

@@ -27,9 +27,6 @@ FLAG_STALL = 4
 FLAG_ABORT = 8
 # Flags AND-ed over ranks.
 FLAG_JOINED = 1
-#: every pending request of the rank writes its result back into an output (in place): fused
-#: groups may then go through the node's shared window (see fusion.FusedAllreduce)
-FLAG_WRITES_BACK = 2
 
 
 class ResponseCache:

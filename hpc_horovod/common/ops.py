@@ -15,11 +15,6 @@ from .basics import ProcessSet, global_process_set
 from .request import Request, control_signature, signature_of
 from .types import Average, Sum, check_dtype
 
-try:  # optional native fast path (src_native/entry.c); the package works without it
-    from .. import _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
 
 def resolve_op(op: int | None, average: bool | None) -> int:
     """Horovod's rules for the deprecated ``average=`` argument."""
@@ -81,18 +76,6 @@ def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
         name = _name(name, ps_id, "allreduce")
     sig = signature_of("allreduce", array, op, -1, prescale_factor, postscale_factor)
     return Request(name, array, sig, ps_id, output)
-
-
-def native_allreduce(array, name, op, average, prescale_factor, postscale_factor, process_set,
-                     in_place: bool) -> int | None:
-    """Submit through the native per-tensor path (``Engine.lane``) where it applies: a named
-    C-contiguous numpy array, float scales, no ``average=``. None: build the request in Python,
-    which also raises the errors. (The numpy functions below do this in C.)"""
-    lane = basics.lane
-    if lane is None or average is not None:
-        return None
-    return lane.allreduce(array, name, op, prescale_factor, postscale_factor, process_set,
-                          in_place)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -327,19 +310,6 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int):
     """Wait for ``handle`` and return its output; raise ``HorovodInternalError`` on failure."""
     return basics.engine().wait(handle).result
-
-
-if _native is not None:
-    # The same three functions with their common case in C (src_native/entry.c): a numpy
-    # array goes straight to the engine's lane; anything else runs the Python function above.
-    def _entry(kind: str, fallback: Callable, **default) -> Callable:
-        return functools.update_wrapper(_native.Entry(kind, fallback, vars(basics), **default),
-                                        fallback)
-
-    allreduce_async = _entry("allreduce_async", allreduce_async, process_set=global_process_set)
-    allreduce_async_ = _entry("allreduce_async_", allreduce_async_,
-                              process_set=global_process_set)
-    synchronize = _entry("synchronize", synchronize)
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):

@@ -6,11 +6,6 @@ import numpy as np
 
 from .types import Signature, check_dtype
 
-try:  # optional native fast path (src_native/lane.c); the package works without it
-    from .. import _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
 #: kinds whose first dimension may differ between ranks
 VARIABLE_FIRST_DIM = ("allgather", "alltoall")
 
@@ -51,10 +46,8 @@ def control_signature(kind: str, shape: tuple[int, ...] = (), root: int = -1) ->
 class Request:
     """A pending collective on this rank. Completed by the engine thread, read by the caller.
 
-    Kept small and built from positional arguments: a training step creates a few hundred of
-    them, and every field set here is paid once per gradient. The native extension provides
-    the same class in C (``_native.Request``, below), which its per-tensor path builds without
-    calling back into Python.
+    Kept small and built from positional arguments: a training step creates one per bucket
+    of gradients, or one per tensor for the other ops.
     """
 
     __slots__ = ("name", "tensor", "signature", "process_set_id", "output", "splits", "key",
@@ -82,7 +75,3 @@ class Request:
     @property
     def kind(self) -> str:
         return self.signature.kind
-
-
-if _native is not None:
-    Request = _native.Request  # noqa: F811 - the same fields, built in C

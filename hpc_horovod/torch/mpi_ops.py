@@ -10,7 +10,6 @@ that in C for contiguous CPU tensors (see the end of this module).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
 from ..common.types import Average, Sum
-from .adapter import NUMPY_DTYPES, engine_array, to_torch, write_back
+from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
 
 try:  # optional native fast path (src_native/); the package works without it
@@ -104,10 +103,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
     array = engine_array(tensor, "allreduce")
-    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
-                                  process_set, False)
-    if handle is None:
-        handle = _submit_one(ops.allreduce_request(
+    handle = _submit_one(ops.allreduce_request(
             array, name=name, op=op, average=average, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, process_set=process_set))
     return _register([handle], _result_on(tensor))
@@ -118,12 +114,9 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
-                                  process_set, True)
-    if handle is None:
-        handle = _submit_one(ops.allreduce_request(
-            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, process_set=process_set, output=array))
+    handle = _submit_one(ops.allreduce_request(
+        array, name=name, op=op, average=average, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, output=array))
     return _register([handle], lambda results: write_back(results[0], tensor, array))
 
 
@@ -568,27 +561,6 @@ def _result(req):
 
         stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
     return req.result
-
-
-if _native is not None:
-    # The same three functions with their common case in C (src_native/entry.c and
-    # torch_view.c): a contiguous CPU tensor goes to the engine's lane as a numpy view of its
-    # memory, built from its dtype, address and shape, and its handle is registered here with
-    # a C finishing step; anything else runs the Python functions above. A gradient's way in
-    # and out cost 3-7 us in Python, most of it outside the engine (``tensor.numpy()`` alone
-    # is 1.2 us).
-    def _native_entry(kind: str, fallback: Callable, **torch_args) -> Callable:
-        return functools.update_wrapper(
-            _native.Entry(kind, fallback, vars(basics), handle_map=_handle_map, **torch_args),
-            fallback)
-
-    allreduce_async = _native_entry(
-        "allreduce_async", allreduce_async, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=to_torch)
-    allreduce_async_ = _native_entry(
-        "allreduce_async_", allreduce_async_, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=write_back)
-    synchronize = _native_entry("synchronize", synchronize)
 
 
 def join(device: int = -1) -> int:

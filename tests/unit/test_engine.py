@@ -106,11 +106,11 @@ def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_the_engine_thread_does_not_preempt_the_thread_that_wakes_it(slow_engine):
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
+def test_the_engine_thread_keeps_the_default_scheduling_policy(slow_engine):
+    """No silent process-wide change: the engine's thread runs under the policy it inherited."""
     engine, _ = slow_engine
-    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_BATCH
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the caller's policy is its own"
+    assert os.sched_getscheduler(engine._thread.native_id) == os.sched_getscheduler(0)
 
 
 def test_a_synchronous_op_leaves_the_engine_thread_asleep(slow_engine):

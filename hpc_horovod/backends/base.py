@@ -1,0 +1,61 @@
+"""The operations the engine needs from a backend: one communicator of one process set.
+
+Every backend (``mpi``, ``nccl``, ``single``) implements this protocol. The engine calls these
+methods from whichever thread runs its cycles (one at a time), in the same order on every member
+rank. Reductions receive arrays of a dtype the backend reduces (the engine widens float16 and
+bfloat16 to float32 when no native sum exists); the data-movement methods take any dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    rank: int
+    size: int
+
+    # -- negotiation (host memory, small) --------------------------------------------------------
+    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
+        """In-place bitwise AND of ``words`` over the set; raise HorovodInternalError when a
+        peer does not come within ``timeout_s`` (0: wait for ever)."""
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order."""
+
+    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
+        """(size, len(values)) int64: every rank's ``values``."""
+
+    def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
+        """int64 ``values[i]`` sent to rank i; returns what each rank sent to this one."""
+
+    # -- data ------------------------------------------------------------------------------------
+    def allreduce(self, buf, op: int) -> None:
+        """In place over every rank's ``buf`` (contiguous)."""
+
+    def allgatherv(self, send, recv, counts) -> None:
+        """``recv`` = every rank's ``send`` end to end; ``counts[r]`` elements from rank r."""
+
+    def bcast(self, buf, root: int) -> None:
+        """In place, from ``root`` (a rank of this set)."""
+
+    def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
+        """``send_counts[r]`` elements to rank r, ``recv_counts[r]`` from it, end to end."""
+
+    def reduce_scatter(self, send, recv, counts, op: int) -> None:
+        """Reduce ``send`` over the ranks; rank r receives the ``counts[r]`` elements of its
+        block."""
+
+    def barrier(self) -> None:
+        """Wait until every rank of the set arrives."""
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    def sub(self, ranks) -> Backend | None:
+        """Collective over this set: a backend for ``ranks`` (None on a rank outside them)."""
+
+    def free(self) -> None:
+        """Release the communicator; local (never waits for a peer)."""

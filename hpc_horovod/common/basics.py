@@ -13,7 +13,7 @@ from dataclasses import replace
 from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
-from .errors import NOT_INITIALIZED, MpiWiringError, TopologyError
+from .errors import NOT_INITIALIZED, HorovodInternalError, MpiWiringError, TopologyError
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -235,7 +235,11 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     """
     global _state
     if _state is not None:
-        return
+        if not _state.engine.stopped:
+            return
+        # The engine failed (or every rank agreed to stop): start afresh, as Horovod does.
+        _release(_state)
+        _state = None
     settings = Settings.from_env()
     topo = topology_mod.detect()
     if topo.needs_mpi or comm is not None:
@@ -271,19 +275,66 @@ def _install_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(shutdown)
+    atexit.register(_at_exit)
     previous = sys.excepthook
 
     def excepthook(kind, value, tb):
-        # Tell the peers why this rank stops, so their error names it instead of hanging.
-        if _state is not None and _state.engine.error is None:
-            try:
-                _state.engine.shutdown(reason=f"{kind.__name__}: {value}")
-            except Exception:  # noqa: BLE001 - never mask the user's exception
-                pass
-        previous(kind, value, tb)
+        previous(kind, value, tb)  # this rank's own message first
+        _end_job(kind, value)
 
     sys.excepthook = excepthook
+
+
+#: how long a failing rank waits for its peers to learn why it stops, before it exits anyway
+TELL_PEERS_S = 10.0
+
+
+def _end_job(kind, value) -> None:
+    """An exception nobody caught ends this process at once, non-zero, in a job of several
+    ranks: first the peers learn why (their error names this rank), then rank 0 prints a
+    one-line summary of who failed first, then the process exits without ``MPI_Finalize``,
+    which would wait for peers that may never come. The launcher (``mpirun``, ``srun
+    --kill-on-bad-exit``) then ends the other ranks."""
+    state = _state
+    if state is None or state.topology.size == 1:
+        return
+    engine = state.engine
+    if engine.error is None and not engine.stopped:
+        try:
+            engine.shutdown(reason=f"{kind.__name__}: {value}",
+                            timeout_s=min(TELL_PEERS_S, state.settings.peer_timeout_s or 1e9))
+        except Exception:  # noqa: BLE001 - never mask the user's exception
+            pass
+    if state.topology.rank == 0:
+        culprit = getattr(value, "culprit", None)
+        if culprit is None:
+            culprit = (f"a collective failed on every rank: {value}"
+                       if isinstance(value, HorovodInternalError)
+                       else f"rank 0 failed first: {kind.__name__}: {value}")
+        print(f"[hpc_horovod] job failed: {culprit.splitlines()[0]}", file=sys.stderr)
+    _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to say
+            pass
+    os._exit(status)
+
+
+def _at_exit() -> None:
+    """The end of the script: a normal ``shutdown`` while the engine works. After a fatal error
+    that the script caught, the peers may be gone or stuck, and MPI_Finalize would wait for
+    them: the process exits now, non-zero."""
+    state = _state
+    if state is not None and state.engine.stopped and state.engine.error is not None \
+            and state.topology.size > 1:
+        print(f"[hpc_horovod] rank {state.topology.rank}: exiting after a fatal error: "
+              f"{str(state.engine.error).splitlines()[0]}", file=sys.stderr)
+        _exit_now(1)
+    shutdown()
 
 
 def shutdown() -> None:
@@ -294,6 +345,12 @@ def shutdown() -> None:
         return
     _state = None
     state.engine.shutdown()
+    _release(state)
+
+
+def _release(state: _State) -> None:
+    """Free what ``state`` holds, locally (never a collective that waits for a peer): the
+    backends' communicators, and the ids of its process sets."""
     state.engine.free_backends()
     for ps in state.process_sets.values():
         if ps is not global_process_set:

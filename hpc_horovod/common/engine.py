@@ -68,6 +68,9 @@ IDLE_MAX_S = 0.05
 #: how often a caller blocked in ``wait`` behind another thread's cycle looks whether that
 #: cycle completed its request
 WAIT_POLL_S = 0.001
+#: handles are unique in the process, across engines: a handle kept from before a re-init can
+#: never name a request of the new engine
+_HANDLES = itertools.count()
 _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
               "another tensor that is currently being processed.  If you want to request "
               "another tensor, use a different tensor name. [{}]")
@@ -203,7 +206,7 @@ class Engine:
         self._cycle_lock = threading.Lock()
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
-        self._handle_counter = itertools.count()
+        self._handle_counter = _HANDLES
         self._shutdown_reason: str | None = None
         self._error: HorovodInternalError | None = None
         self._stopped = False
@@ -358,15 +361,21 @@ class Engine:
                     if not req.done:
                         self._done.wait(1.0)
 
-    def shutdown(self, reason: str | None = None) -> None:
-        """Stop on every rank: peers learn ``reason`` (None for a normal exit)."""
+    def shutdown(self, reason: str | None = None, timeout_s: float | None = None) -> None:
+        """Stop on every rank: peers learn ``reason`` (None for a normal exit). Waits for the
+        engine thread's last cycle, at most ``timeout_s`` (None: as long as it takes)."""
         with self._cond:
             if self._shutdown_reason is None:
                 self._shutdown_reason = reason or ""
                 self._closed = True
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout_s)
+
+    @property
+    def stopped(self) -> bool:
+        """The engine ran its last cycle (shut down, or failed): a new one is needed."""
+        return self._stopped
 
     @property
     def error(self) -> HorovodInternalError | None:
@@ -374,7 +383,7 @@ class Engine:
 
     def _raise_if_stopped(self) -> None:
         if self._error is not None:
-            raise HorovodInternalError(str(self._error))
+            raise self._error.copy()
         if self._stopped or self._shutdown_reason is not None:
             raise ValueError(SHUT_DOWN)
 
@@ -563,10 +572,16 @@ class Engine:
             if agreement.waiting:
                 text = stall_message(agreement.waiting, self.settings.stall_check_time_s)
                 if or_all & FLAG_ABORT:
-                    raise HorovodInternalError(
+                    limit = self.settings.stall_shutdown_time_s
+                    error = HorovodInternalError(
                         text + "\nAll ranks stop now: a stall lasted longer than "
-                        f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.settings.stall_shutdown_time_s:g}."
+                        f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}."
                     )
+                    late = sorted({r for ranks in agreement.waiting.values() for r in ranks})
+                    error.culprit = (f"rank(s) {', '.join(map(str, late))} stalled: they did not "
+                                     f"submit {', '.join(sorted(agreement.waiting)[:3])} for "
+                                     f"{limit:g} s")
+                    raise error
                 if backend.rank == 0:
                     print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
         if or_all & FLAG_SHUTDOWN:
@@ -574,12 +589,17 @@ class Engine:
             errors = [(r, why) for r, why in stopping if why]
             if errors:
                 rank, why = errors[0]
-                raise HorovodInternalError(
-                    f"{SHUT_DOWN} Rank {rank} stopped first, with: {why}")
+                error = HorovodInternalError(f"{SHUT_DOWN} Rank {rank} stopped first, with: {why}")
+                if rank != self.rank:
+                    error.culprit = f"rank {rank} failed first: {why}"
+                raise error
             if shutdown_reason is None:
                 ranks = ", ".join(str(r) for r, _ in stopping)
-                raise HorovodInternalError(
+                error = HorovodInternalError(
                     f"{SHUT_DOWN} Rank(s) {ranks} called shutdown while this rank still runs.")
+                error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
+                                 "script) while the others still ran collectives")
+                raise error
             return True
         return False
 
@@ -703,10 +723,10 @@ class Engine:
     def _fail(self, requests) -> None:
         """Complete ``requests`` with the engine's error (or the shutdown text) and wake the
         callers."""
-        error = str(self._error or HorovodInternalError(SHUT_DOWN))
+        error = self._error or HorovodInternalError(SHUT_DOWN)
         for req in requests:
             if not req.done:
-                self._complete(req, error=HorovodInternalError(error))
+                self._complete(req, error=error.copy())
         with self._done:
             self._done.notify_all()
 

@@ -1,12 +1,24 @@
 """Typed errors. Collective failures are RuntimeErrors, as in Horovod; launch mistakes are
 TopologyErrors whose message always names the fix."""
 
+from __future__ import annotations
+
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (mismatched metadata, a peer that died or stalled, an MPI error).
 
-    Raised on every rank that takes part, with the same text, at ``synchronize``.
+    Raised on every rank that takes part, with the same text, at ``synchronize``. ``culprit``
+    says in one line where a fatal error started ("rank 1 failed first: ..."), when it did not
+    start on this rank; the one-line summary of a failed job prints it.
     """
+
+    culprit: str | None = None
+
+    def copy(self) -> HorovodInternalError:
+        """The same error, to raise again (a traceback per raise)."""
+        error = HorovodInternalError(str(self))
+        error.culprit = self.culprit
+        return error
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -135,6 +135,11 @@ def iter_bits(mask: int):
         mask ^= low
 
 
+#: what a joined rank takes part in (contributing zeros to allreduces); any other collective
+#: fails on the ranks that submitted it, as in Horovod, instead of waiting for the joined ones
+_WITH_JOIN = ("allreduce", "barrier")
+
+
 @dataclass
 class Agreement:
     """The outcome of one full negotiation, the same on every rank."""
@@ -175,12 +180,9 @@ def match(gathered: list[list[tuple[str, Signature]]], joined: set[int],
                 message += (f" [tensor '{name}': rank {members[ranks[0]]} vs rank "
                             f"{members[other]}]")
                 break
-        if message is None and joined and first.kind not in ("allreduce", "allgather",
-                                                             "broadcast", "barrier"):
-            message = (f"{first.kind} is not supported while ranks "
-                       f"{sorted(members[r] for r in joined)} have joined [tensor '{name}']")
-        if message is None and first.kind == "broadcast" and first.root in joined:
-            message = (f"the broadcast root rank {members[first.root]} has already joined "
+        if message is None and joined and first.kind not in _WITH_JOIN:
+            message = (f"{first.kind.capitalize()} is not supported with Join at this time: "
+                       f"ranks {sorted(members[r] for r in joined)} have joined "
                        f"[tensor '{name}']")
         if message:
             errors.append((name, message))

@@ -299,9 +299,9 @@ class Engine:
         """Context of an op that waits for what it submits (``allreduce``, not
         ``allreduce_async``): its submissions leave the engine thread asleep, since the caller
         runs the cycles itself in :meth:`wait`. Waking the thread for nothing costs two thread
-        switches and a GIL hand-off: about 50 us per op with one core per rank, more than the
-        whole of a small allreduce otherwise. On leaving, work this rank still has (another
-        thread's, or what an error cut short) is handed to the thread."""
+        switches and a GIL hand-off, more than the whole of a small allreduce. On leaving, work
+        this rank still has (another thread's, or what an error cut short) is handed to the
+        thread."""
         return self._synchronous
 
     def _forget(self, requests: list[Request]) -> None:
@@ -321,8 +321,8 @@ class Engine:
         """Block until the handle completes; forget it; raise its error if it failed.
 
         The caller runs the engine's cycles itself instead of waking the engine thread and
-        sleeping in turn: two thread switches (each about 20 us here, more on a shared core)
-        are most of the latency of a small synchronous allreduce. Meanwhile the engine thread
+        sleeping in turn: two thread switches are most of the latency of a small synchronous
+        allreduce. Meanwhile the engine thread
         leaves the cycles to it (see _loop): a timer cycle of its own would only make the
         caller wait for the lock.
         """
@@ -346,10 +346,9 @@ class Engine:
         while not req.done:
             # A blocking acquire, which lets go of the GIL: the lock may be on its way to a
             # thread that holds it already but waits for the GIL to go on (it is then held,
-            # yet not ``locked()``). Polling for it without letting go of the GIL starved that
-            # thread until the interpreter's switch interval, 5 ms (3-6 ms stalls in most
-            # steps of 200 asynchronous allreduces). The timeout: a cycle of another thread
-            # may complete ``req`` long before it ends.
+            # yet not ``locked()``). Polling for it without letting go of the GIL would starve
+            # that thread until the interpreter's switch interval. The timeout: a cycle of
+            # another thread may complete ``req`` long before it ends.
             if not self._stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self._stopped:

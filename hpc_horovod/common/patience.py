@@ -3,11 +3,10 @@
 While a thread of the rank waits for a result (``Engine.wait``), the rank has nothing else to
 run, so whoever runs the engine's cycles meanwhile (that caller, or the engine thread) keeps its
 core while waiting for a peer: spinning, then ``sched_yield``, which still lets any other thread
-of the core run. Sleeping instead costs more than the wait on a virtual machine: a vCPU that goes
-idle even for 20 us comes back slowly (two ranks here: a 4 KiB allreduce 0.14 ms with sleeps,
-0.065 ms yielding; 200 x 16 KiB 0.3 ms less per batch). When nobody waits, the engine thread works
-in the background while the training computes on the same core, and yielding there took 8-12% of
-a training step's throughput: it sleeps.
+of the core run. Sleeping instead costs more than the wait itself where an idle CPU (a virtual
+one above all) is slow to come back. When nobody waits, the engine thread works in the
+background while the training computes on the same core: there yielding would take the core from
+the training, so it sleeps.
 """
 
 from __future__ import annotations

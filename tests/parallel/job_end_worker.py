@@ -39,7 +39,14 @@ def failing() -> None:
         print(f"rank 1: fails at {time.time():.3f}", flush=True)
 
 
+def warm_up(steps: int = 20) -> None:
+    """The same number of allreduces on every rank."""
+    for step in range(steps):
+        hvd.allreduce(np.ones(1024, np.float32), name=f"warm.{step}")
+
+
 def reduce_for(seconds: float, tag: str) -> None:
+    """Allreduces until the job ends (the peer has failed by then)."""
     end = time.monotonic() + seconds
     step = 0
     while time.monotonic() < end:
@@ -48,13 +55,13 @@ def reduce_for(seconds: float, tag: str) -> None:
 
 
 if scenario == "kill":
-    reduce_for(0.5, "warm")
+    warm_up()
     if RANK == 1:
         failing()
         os.kill(os.getpid(), signal.SIGKILL)
     reduce_for(300, "after")
 elif scenario == "stall":
-    reduce_for(0.5, "warm")
+    warm_up()
     if RANK == 1:
         failing()
         time.sleep(120)
@@ -69,7 +76,7 @@ elif scenario == "mismatch":
     failing()
     hvd.allreduce(np.ones(3 + RANK), name="shapes.differ")
 elif scenario == "exit":
-    reduce_for(0.3, "warm")
+    warm_up()
     if RANK == 1:
         failing()
         sys.exit(0)

@@ -40,7 +40,7 @@ def _output(tmp_path: Path, name: str) -> str:
 def test_generated_script_runs_one_rank_per_task(slurm, tmp_path, nodes, tasks):
     script = _job_script(tmp_path, f"layout{nodes}x{tasks}",
                          [sys.executable, str(WORKERS / "check_layout.py")],
-                         nodes=nodes, gpus_per_node=0, tasks_per_node=tasks)
+                         nodes=nodes, gpus_per_node=0, ntasks_per_node=tasks)
     status, record = slurm.submit_and_wait(script)
     out = _output(tmp_path, f"layout{nodes}x{tasks}")
     assert status == 0, f"{record}\n{out}"
@@ -52,7 +52,7 @@ def test_arguments_reach_every_task_verbatim(slurm, tmp_path):
     nasty = ["x; touch pwned1", "$(touch pwned2)", "`touch pwned3`", "a'b\nc", "*"]
     code = "import json, os, sys; print('ARGS', json.dumps([sys.argv[1:], os.environ['NOTE']]))"
     script = _job_script(tmp_path, "quoting", [sys.executable, "-c", code, *nasty],
-                         nodes=1, gpus_per_node=0, tasks_per_node=2,
+                         nodes=1, gpus_per_node=0, ntasks_per_node=2,
                          env={"NOTE": "$(touch pwned4); echo"})
     status, _ = slurm.submit_and_wait(script)
     out = _output(tmp_path, "quoting")
@@ -120,7 +120,7 @@ def test_killed_rank_ends_the_job(slurm, tmp_path):
     the step as soon as rank 1 dies (the wait is bounded well below that minute)."""
     script = _job_script(tmp_path, "killed", [sys.executable,
                                               str(WORKERS / "train_until_killed.py"), "1"],
-                         nodes=2, gpus_per_node=0, tasks_per_node=1)
+                         nodes=2, gpus_per_node=0, ntasks_per_node=1)
     assert "--kill-on-bad-exit=1" in script.read_text()
     status, record = slurm.submit_and_wait(script, timeout=45)
     out = _output(tmp_path, "killed")

@@ -50,7 +50,7 @@ def _directive_lines(script: str) -> list[str]:
 def test_any_options_give_a_script_or_a_value_error(command, opts):
     kwargs = dict(opts, profile_env=NO_USER_PROFILES)
     if opts["gpus_per_node"] == 0:
-        kwargs["tasks_per_node"] = 1
+        kwargs["ntasks_per_node"] = 1
     try:
         script = render_job(command, **kwargs)
     except ValueError as exc:
@@ -78,7 +78,7 @@ def test_valid_options_always_give_a_script_with_the_command_intact(command, nod
                                                                       job_name, account, env,
                                                                       requeue):
     script = render_job(command, cluster="generic", nodes=nodes, gpus_per_node=0,
-                        tasks_per_node=tasks, job_name=job_name, account=account,
+                        ntasks_per_node=tasks, job_name=job_name, account=account,
                         env=env, requeue=requeue, profile_env=NO_USER_PROFILES)
     _check_script(script, command)
     assert f"--nodes={nodes}" in script and f"--ntasks-per-node={tasks}" in script

@@ -27,7 +27,8 @@ def parse(*argv: str):
 
 
 def command(*argv: str, env: dict | None = None, cores: int | None = None) -> list[str]:
-    return launch.build_command(parse(*argv), {} if env is None else env, cores)
+    return launch.build_command(launch.Launch.from_args(parse(*argv)),
+                                {} if env is None else env, cores)
 
 
 def clean_env(extra: dict | None = None) -> dict:

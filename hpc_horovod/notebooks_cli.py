@@ -1,9 +1,9 @@
 """``hpc-horovod notebooks copy [DEST]``: the example notebooks, into the user's workspace.
 
 The notebooks (the top-level ``notebooks/`` folder, shipped inside the package) come with the
-installed version, so a user who did ``module load horovod`` gets the ones that match it. They go to ``$WORK`` (the
-usual work space on HPC centres) or, without it, to the current directory; a notebook already
-there holds the user's own edits and is replaced only with ``--force``.
+installed version, so a user who did ``module load horovod`` gets the ones that match it. They
+go to ``$WORK`` (the usual work space on HPC centres) or, without it, to the current directory;
+a notebook already there holds the user's own edits and is replaced only with ``--force``.
 """
 
 from __future__ import annotations

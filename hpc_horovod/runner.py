@@ -1,12 +1,12 @@
 """``hpc_horovod.run(fn, args, kwargs, np=N)``: a Python function on N ranks, from Python.
 
 The function and its arguments travel by cloudpickle (a function defined in a notebook cell
-too) through a folder every rank can read: each rank, started by ``hpc-horovod run``'s launcher
-(``mpirun`` here, ``srun`` inside a SLURM allocation) as :func:`worker_command`, loads them, calls ``fn(*args, **kwargs)`` and writes what it returned, or the
-exception it raised, to ``FOLDER/rank-<r>.pkl``. The caller gets the list of return values in
-rank order, or the exception of the lowest failing rank, re-raised with a note naming the rank
-and showing that rank's traceback. :func:`hpc_horovod.slurm.submit` uses the same folder layout
-for a batch job.
+too) through a folder every rank can read. Each rank, started by ``hpc-horovod run``'s launcher
+(``mpirun`` here, ``srun`` inside a SLURM allocation) with :func:`worker_command`, loads them,
+calls ``fn(*args, **kwargs)`` and writes what it returned, or the exception it raised, to
+``FOLDER/rank-<r>.pkl``. The caller gets the list of return values in rank order, or the first
+failing rank's exception, re-raised with a note naming the rank and showing that rank's
+traceback. :func:`hpc_horovod.slurm.submit` uses the same folder layout for a batch job.
 
 The function calls ``hvd.init()`` itself, as under ``horovodrun``.
 """

@@ -16,9 +16,9 @@
 from . import preflight
 from .job import JobPlan, plan_job
 from .profiles import ClusterProfile, get_profile, load_profiles
+from .remote import Job, submit
 from .render import render_job, render_plan
 from .requeue import RequeueOnSignal, requeue_job, requeue_on_signal, restart_count
-from .remote import Job, submit
 from .submit import sbatch
 
 __all__ = [

@@ -2,7 +2,6 @@ import pytest
 
 from hpc_horovod.slurm import validate
 
-
 #: SLURM's six formats (``man sbatch``, --time), and what each means in seconds; the same
 #: strings are checked against the local SLURM's own reading in test_real_slurm.py
 SLURM_TIMES = [

@@ -1,9 +1,9 @@
 """SLURM-native jobs: job scripts per cluster, preflight checks, requeue before the time limit.
 
-- :func:`render_job` writes a job script from a cluster profile (``profiles/*.toml``; users add
-  theirs in ``~/.config/hpc_horovod/clusters.toml``): one task per GPU, ``srun`` with the site's
-  MPI plugin, modules, and every value checked or shell-quoted. ``hpc-horovod sbatch`` is its
-  command line.
+- :func:`render_job` writes a job script from a cluster profile (``slurm_templates/profiles``;
+  users add theirs in ``~/.config/hpc_horovod/clusters.toml``): one task per GPU, ``srun`` with
+  the site's MPI plugin, modules, and every value checked or shell-quoted. ``hpc-horovod
+  sbatch`` is its command line.
 - :mod:`~hpc_horovod.slurm.preflight` explains launch mistakes (tasks vs GPUs, a batch script
   without ``srun``, the MPI plugin); ``srun hpc-horovod doctor`` shows them for every rank.
 - :func:`submit` runs a Python function on every task of a job (from a notebook on a login

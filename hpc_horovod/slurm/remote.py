@@ -192,7 +192,7 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Mapping[str, Any] | None =
     """
     base = Path(workdir).expanduser().absolute() / ".hpc_horovod" / "jobs"
     base.mkdir(parents=True, exist_ok=True)
-    name = validate.token(job_name, "job_name")
+    name = validate.token(job_name, "--job-name")
     folder = Path(_unique_folder(base, name))
     try:
         write_payload(folder, fn, args, kwargs)

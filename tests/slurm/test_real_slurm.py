@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_validate import BAD_TIMES, SLURM_TIMES  # a sibling module (pytest's rootdir import)
 
 from hpc_horovod.slurm import render_job, validate
 
@@ -23,8 +24,6 @@ pytestmark = pytest.mark.slurm
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 HPC_HOROVOD = [sys.executable, "-m", "hpc_horovod"]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_validate import BAD_TIMES, SLURM_TIMES  # noqa: E402
 
 
 def _job_script(tmp_path: Path, name: str, command: list[str], **options) -> Path:

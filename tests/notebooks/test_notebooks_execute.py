@@ -91,3 +91,33 @@ def test_notebook_trains_in_kernel_and_on_two_processes(framework, tmp_path, ker
               if "image/png" in o.get("data", {})]
     assert images, "the learning-curve cell drew nothing"
     assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.mpi
+def test_run_from_a_notebook_cell(tmp_path, kernel_manager):
+    """A function defined in a cell runs on two ranks (it travels by value), its results and
+    a rank's exception come back to the cell."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import hpc_horovod\n"
+            "def square_sum(x):\n"
+            "    import numpy as np\n"
+            "    import hpc_horovod as hvd\n"
+            "    hvd.init()\n"
+            "    if x < 0 and hvd.rank() == 1:\n"
+            "        raise ArithmeticError('negative on rank 1')\n"
+            "    return float(hvd.allreduce(np.array([x * (hvd.rank() + 1.0)]), op=hvd.Sum)[0])"),
+        nbformat.v4.new_code_cell("print('RESULTS', hpc_horovod.run(square_sum, args=(3,), "
+                                  "np=2))"),
+        nbformat.v4.new_code_cell(
+            "try:\n"
+            "    hpc_horovod.run(square_sum, args=(-1,), np=2)\n"
+            "except ArithmeticError as exc:\n"
+            "    print('RAISED', exc, exc.__notes__[0].splitlines()[0])"),
+    ]
+    path = tmp_path / "run.ipynb"
+    nbformat.write(nb, path)
+    _, text = execute(path, kernel_manager)
+    assert "RESULTS [9.0, 9.0]" in text, text
+    assert "RAISED negative on rank 1 raised on rank 1 of 2" in text, text

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..runner import collect, worker_command, write_payload
+from ..runner import collect, rank_file, worker_command, write_payload
 from . import validate
 from .job import plan_job
 from .render import render_plan
@@ -121,13 +121,20 @@ class Job:
             if show is not None:
                 show(f"job {self.job_id}: cancelled", [])
             raise
-        failure = None
-        if state != "COMPLETED":
-            tail = "\n".join(self.output(20, rank=None))
+        tail = "\n".join(self.output(20, rank=None))
+        if state == "COMPLETED":
+            failure = None
+        elif state == "UNKNOWN":  # SLURM forgot it (MinJobAge): the results say how it went
+            failure = (f"job {self.job_id} is no longer in SLURM's records; the end of "
+                       f"{self.folder / OUTPUT}:\n{tail}") if self._missing() else None
+        else:
             failure = (f"job {self.job_id} ended {state} (exit code "
                        f"{record.get('ExitCode', '?')}); the end of {self.folder / OUTPUT}:\n"
                        f"{tail}")
         return collect(self.folder, self.size, failure)
+
+    def _missing(self) -> list[int]:
+        return [rank for rank in range(self.size) if not rank_file(self.folder, rank).exists()]
 
     def _status(self, record: Mapping[str, str]) -> str:
         state = record.get("JobState", "UNKNOWN")

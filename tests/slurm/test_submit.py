@@ -93,3 +93,18 @@ def test_submit_checks_before_writing(tmp_path):
         submit(print, args=(threading.Lock(),), workdir=tmp_path)
     assert list((tmp_path / ".hpc_horovod" / "jobs").iterdir()) == []
     assert repr(Job("12", tmp_path, 2)).startswith("Job('12', 2 task(s)")
+
+
+def test_a_job_slurm_forgot_is_judged_by_its_results(tmp_path, monkeypatch):
+    """Once scontrol no longer knows the job, the rank files alone give the result."""
+    from hpc_horovod import runner
+
+    job = Job("999999", tmp_path, 2)
+    monkeypatch.setattr(Job, "record", lambda self: {})
+    for rank in range(2):
+        data = runner._outcome_bytes(rank, True, rank * 10, "")
+        runner.atomic_write(runner.rank_file(tmp_path, rank), lambda fh, d=data: fh.write(d))
+    assert job.result(progress=False) == [0, 10]
+    runner.rank_file(tmp_path, 1).unlink()
+    with pytest.raises(RuntimeError, match="(?s)no longer in SLURM's records.*without a result: 1"):
+        job.result(progress=False)

@@ -108,3 +108,16 @@ def test_a_job_slurm_forgot_is_judged_by_its_results(tmp_path, monkeypatch):
     runner.rank_file(tmp_path, 1).unlink()
     with pytest.raises(RuntimeError, match="(?s)no longer in SLURM's records.*without a result: 1"):
         job.result(progress=False)
+
+
+def test_run_inside_an_allocation_uses_srun(slurm, tmp_path):
+    script = tmp_path / "alloc.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
+                      "#SBATCH --output=alloc-%j.out\n"
+                      f"{sys.executable} {NOTEBOOK.parent / 'run_in_allocation.py'}\n")
+    status, record = slurm.submit_and_wait(script)
+    out = "".join(p.read_text() for p in tmp_path.glob("alloc-*.out"))
+    assert status == 0, f"{record}\n{out}"
+    assert "+ srun --ntasks=2 --mpi=pmix" in out, out
+    ranks = json.loads(out.split("RUN ", 1)[1].splitlines()[0])
+    assert ranks == [["x", 0, 2, "n1", True], ["x", 1, 2, "n2", True]], out

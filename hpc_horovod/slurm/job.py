@@ -65,6 +65,11 @@ def _layout(node: NodeClass, gpus: int | None, tasks: int | None, profile: Clust
     if tasks is not None:
         validate.positive(tasks, "--ntasks-per-node")
     if gpus is None:
+        if node.gpus_per_node and tasks is not None and tasks > node.gpus_per_node:
+            raise ValueError(f"--ntasks-per-node {tasks} on {_where(node)}, which has "
+                             f"{node.gpus_per_node} GPUs per node: a GPU job runs one task per "
+                             f"GPU; use --ntasks-per-node {node.gpus_per_node} (or leave it out) "
+                             "and more --nodes")
         gpus = (node.gpus_per_node or 0) if tasks is None else min(tasks,
                                                                    node.gpus_per_node or 0)
     validate.positive(gpus, "--gpus-per-node", minimum=0)

@@ -104,6 +104,7 @@ def test_oscar_partition_with_feature_constraint():
     (dict(nodes=2, ntasks=3), "--ntasks 3 does not split evenly over --nodes 2"),
     (dict(nodes=2, ntasks=4, ntasks_per_node=1), "disagree"),
     (dict(ntasks_per_node=0), "--ntasks-per-node must be at least 1, got 0"),
+    (dict(ntasks_per_node=8), "--ntasks-per-node 8 on partition gpu_p13, which has 4 GPUs"),
     (dict(gpus_per_node=4, template="/nonexistent/site.sbatch.j2"), "no such file"),
     (dict(gpus_per_node=4, template="/etc/hostname"), "must end in .j2"),
     (dict(gpus_per_node=4, job_name="x; rm -rf ~"), "--job-name"),

@@ -12,12 +12,13 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 sysdeps:
 	bash scripts/install-system-deps.sh
 
-# torch is pinned first so that nothing pulls a CUDA build from the registry.
+# CPU builds of torch and TensorFlow are installed first so that nothing pulls a CUDA build from
+# the registry (the package's `tensorflow` extra names the full `tensorflow`).
 $(STAMP): setup.cfg pyproject.toml setup.py $(wildcard src_native/*.c src_native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[mpi,torch,tensorflow,dev]"
+	$(PY) -m pip install -q "torch==2.13.0" "tensorflow-cpu>=2.16"
+	$(PY) -m pip install -q -e ".[mpi,torch,plot,dev]"
 	touch $@
 
 venv: sysdeps $(STAMP)

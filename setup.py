@@ -1,4 +1,9 @@
-"""Build of the optional extension ``hpc_horovod._native`` (src_native/); metadata is in setup.cfg.
+"""Build of the optional extension ``hpc_horovod._native`` (src_native/), and the copy of the
+top-level ``slurm_templates/`` and ``notebooks/`` into the package; metadata is in setup.cfg.
+
+Those two folders are the single source of the job templates, cluster profiles and example
+notebooks; ``build_py`` copies them into ``hpc_horovod/`` of a built wheel, where
+``hpc_horovod.shipped`` finds them (a source checkout reads them where they are).
 
 The extension needs a C compiler, numpy's headers (a build requirement) and an MPI library with
 its headers (found through the ``mpicc`` wrapper, or ``$MPICC``). Without them the package
@@ -14,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 
 SOURCES = sorted(str(p) for p in Path("src_native").glob("*.c"))
 
@@ -77,4 +83,23 @@ def native_extensions() -> list[Extension]:
     )]
 
 
-setup(ext_modules=native_extensions())
+#: the top-level folders a wheel carries inside the package, with the files of each
+SHIPPED = {"slurm_templates": ("*.j2", "profiles/*.toml"), "notebooks": ("*.ipynb",)}
+
+
+class BuildPyWithShipped(build_py):
+    """``build_py`` that also copies :data:`SHIPPED` into ``hpc_horovod/`` of the build."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return  # an editable install reads them from the checkout
+        for folder, patterns in SHIPPED.items():
+            for pattern in patterns:
+                for source in sorted(Path(folder).glob(pattern)):
+                    target = Path(self.build_lib, "hpc_horovod", source)
+                    self.mkpath(str(target.parent))
+                    self.copy_file(str(source), str(target))
+
+
+setup(ext_modules=native_extensions(), cmdclass={"build_py": BuildPyWithShipped})

@@ -68,6 +68,7 @@ from .common.ops import (
     synchronize,
 )
 from .common.types import Adasum, Average, Max, Min, Product, Sum
+from .runner import run
 from .version import __version__
 
 __all__ = [name for name in dir() if not name.startswith("_")] + ["__version__"]

@@ -18,9 +18,42 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import BinaryIO
 
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d+)\.ckpt$")
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object], *,
+                 mode: int | None = None) -> Path:
+    """Write the file ``path`` through ``write(binary_file)`` so that a reader sees the previous
+    file or the new one, never part of one, even if this process is killed.
+
+    The data goes to a temporary file in the same directory, is flushed to disk, and the file
+    is renamed over ``path``; the directory is then synced so that the rename survives a
+    crash. ``mode`` sets the permissions (default: the temporary file's 0600).
+    """
+    path = Path(path)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
 
 
 def checkpoint_path(directory: str, step: int, prefix: str = "checkpoint") -> str:
@@ -43,24 +76,8 @@ def save_checkpoint(write: Callable[[BinaryIO], object], directory: str, step: i
         return None
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
-    os.makedirs(directory, exist_ok=True)
     final = checkpoint_path(directory, step, prefix)
-    fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    atomic_write(final, write)
     if keep > 0:
         for _, old in list_checkpoints(directory, prefix)[:-keep]:
             os.unlink(old)

@@ -18,6 +18,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 
 def mpi_flavour(launcher: str) -> str:
@@ -36,7 +38,26 @@ def mpi_flavour(launcher: str) -> str:
     return "unknown"
 
 
-def _hosts(args) -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class Launch:
+    """What to start: ``np`` processes of ``command``, where, and how."""
+
+    np: int
+    command: Sequence[str]
+    hosts: str | None = None
+    hostfile: str | None = None
+    mpi_args: str | None = None
+    srun_mpi: str = "pmix"
+    no_srun: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Launch:
+        return cls(np=args.np, command=tuple(args.command), hosts=args.hosts,
+                   hostfile=args.hostfile, mpi_args=args.mpi_args, srun_mpi=args.srun_mpi,
+                   no_srun=args.no_srun)
+
+
+def _hosts(args: Launch) -> list[tuple[str, int]]:
     hosts = []
     if args.hosts:
         for item in args.hosts.split(","):
@@ -96,10 +117,13 @@ def _binding(np_: int, hosts: list, cores: int) -> list[str]:
     return ["--map-by", f"slot:PE={cores // np_}", "--bind-to", "core"]
 
 
-def build_command(args, env=None, cores: int | None = None) -> list[str]:
+def build_command(args: Launch, env: Mapping[str, str] | None = None,
+                  cores: int | None = None) -> list[str]:
     """The launcher command line for ``args`` (pure but for the core count, which tests may
     pass, so that they can check every flag)."""
     env = os.environ if env is None else env
+    if isinstance(args.np, bool) or not isinstance(args.np, int):
+        raise TypeError(f"-np must be an integer, got {args.np!r}")
     if args.np < 1:
         raise ValueError(f"-np must be at least 1, got {args.np}")
     if not args.command:
@@ -137,15 +161,28 @@ def build_command(args, env=None, cores: int | None = None) -> list[str]:
     return cmd + list(args.command)
 
 
-def run(args) -> int:
-    cmd = build_command(args)
-    if args.verbose:
-        print("+ " + shlex.join(cmd), file=sys.stderr)
-    env = dict(os.environ)
+def launcher_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment: this one, ``extra`` on top, and Open MPI's consent to run as
+    root when this is root (the launcher's own, never this process's)."""
+    env = {**os.environ, **(extra or {})}
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def run_launch(launch: Launch, extra_env: Mapping[str, str] | None = None,
+               verbose: bool = False) -> int:
+    """Start ``launch``, wait for it; the exit status (the first failing rank's)."""
+    env = launcher_env(extra_env)
+    cmd = build_command(launch, env)
+    if verbose:
+        print("+ " + shlex.join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def run(args) -> int:
+    return run_launch(Launch.from_args(args), verbose=args.verbose)
 
 
 def register(sub) -> None:

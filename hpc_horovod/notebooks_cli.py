@@ -1,24 +1,23 @@
 """``hpc-horovod notebooks copy [DEST]``: the example notebooks, into the user's workspace.
 
-The notebooks ship inside the package (``hpc_horovod/notebooks/*.ipynb``), so a user who did
-``module load horovod`` gets the ones matching the installed version. They go to ``$WORK`` (the
-usual work space on HPC centres) or, without it, to the current directory; a notebook already
-there holds the user's own edits and is replaced only with ``--force``.
+The notebooks (the top-level ``notebooks/`` folder, shipped inside the package) come with the
+installed version, so a user who did ``module load horovod`` gets the ones that match it. They
+go to ``$WORK`` (the usual work space on HPC centres) or, without it, to the current directory;
+a notebook already there holds the user's own edits and is replaced only with ``--force``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from importlib.resources import files
 from pathlib import Path
 
+from .shipped import shipped_dir
 
-def shipped_notebooks() -> list:
-    """The notebooks in the installed package, by name."""
-    folder = files("hpc_horovod") / "notebooks"
-    return sorted((item for item in folder.iterdir() if item.name.endswith(".ipynb")),
-                  key=lambda item: item.name)
+
+def shipped_notebooks() -> list[Path]:
+    """The shipped notebooks, by name."""
+    return sorted(shipped_dir("notebooks").glob("*.ipynb"), key=lambda path: path.name)
 
 
 def default_destination(env: Mapping[str, str] | None = None) -> Path:

@@ -3,7 +3,7 @@
 A module that ``depends_on`` these loads them with itself and unloads them with itself, so a
 user types one ``module load horovod`` on every cluster, and the job scripts of
 ``hpc-horovod sbatch`` (whose cluster profiles load ``horovod``) need nothing else. The lists
-live in the cluster profiles (``module_depends_on`` in ``hpc_horovod/slurm/profiles/*.toml``,
+live in the cluster profiles (``module_depends_on`` in ``slurm_templates/profiles/*.toml``,
 overridable in a user's clusters.toml). Module names and versions change with each site's
 software stack: check ``module avail`` and pass ``--depends-on`` to override them.
 """

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import jinja2
 
+from ..checkpoint import atomic_write
 from .spec import CONFLICTS, MODULE_NAME, ModuleSpec, check_safe
 
 DESCRIPTION = "Horovod-style data-parallel training for PyTorch and TensorFlow on SLURM clusters"
@@ -74,14 +74,4 @@ def install_modulefile(spec: ModuleSpec, prefix: str | Path, *, force: bool = Fa
     target = directory / f"{spec.version}.lua"
     if target.exists() and not force and target.read_text(encoding="utf-8") != text:
         raise FileExistsError(f"{target} exists with other content: pass --force to replace it")
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{spec.version}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write(target, lambda fh: fh.write(text.encode("utf-8")), mode=0o644)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.config import Settings
+from ..slurm import validate
 from ..version import __version__
 from .clusters import cluster_modules
 
@@ -31,7 +32,6 @@ _UNSAFE = {
     "[[": "'[[' (it starts a Lua long string)",
 }
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]*")
-_MODULE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*(/[A-Za-z0-9._+-]+)*")
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 #: the name users type: ``module load horovod``
@@ -81,13 +81,7 @@ def _inside(path: Path, prefix: Path) -> bool:
 
 def parse_setenv(items: Iterable[str]) -> dict[str, str]:
     """``["NAME=VALUE", ...]`` from the command line as a dict, with a clear error on typos."""
-    result = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--setenv expects NAME=VALUE, got {item!r}")
-        result[name] = value
-    return result
+    return validate.assignments(items, "--setenv")
 
 
 @dataclass(frozen=True)
@@ -111,7 +105,7 @@ class ModuleSpec:
                              "'.', '+', '_', '-'): it becomes the file name <version>.lua")
         check_safe("cluster", self.cluster)
         for module in self.depends_on:
-            if not _MODULE_NAME.fullmatch(check_safe("module name", module)):
+            if not validate.MODULE_NAME.fullmatch(check_safe("module name", module)):
                 raise ValueError(f"module name {module!r} must look like name/version")
             if module.split("/")[0] in (MODULE_NAME, *CONFLICTS):
                 raise ValueError(f"{MODULE_NAME} cannot depend on {module!r}, another Horovod")

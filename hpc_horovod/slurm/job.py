@@ -7,6 +7,7 @@ billed to the wrong node type. Each error lists the valid choices.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ class JobPlan:
     template: str
     job_name: str
     nodes: int
-    tasks_per_node: int
+    ntasks_per_node: int
     gpus_per_node: int
     cpus_per_task: int
     time: str
@@ -42,18 +43,35 @@ class JobPlan:
     srun_mpi: str
     command: tuple[str, ...]
     storage: tuple[tuple[str, str], ...]
+    #: ``srun --label``: each output line starts with its task's rank
+    label: bool = False
 
     @property
     def total_tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return self.nodes * self.ntasks_per_node
 
 
 def _where(node: NodeClass) -> str:
     return f"{node.kind} {node.name}" if node.name else "the default partition"
 
 
-def _check_gpus(node: NodeClass, gpus: int, tasks: int | None, profile: ClusterProfile) -> int:
-    """Tasks per node: one per GPU, or ``tasks`` on a CPU-only job."""
+def _layout(node: NodeClass, gpus: int | None, tasks: int | None, profile: ClusterProfile
+            ) -> tuple[int, int]:
+    """GPUs and tasks per node: one task per GPU, or ``tasks`` on a CPU job.
+
+    Without ``gpus``, a GPU node type gets all its GPUs (or one per asked task), any other a
+    CPU job.
+    """
+    if tasks is not None:
+        validate.positive(tasks, "--ntasks-per-node")
+    if gpus is None:
+        if node.gpus_per_node and tasks is not None and tasks > node.gpus_per_node:
+            raise ValueError(f"--ntasks-per-node {tasks} on {_where(node)}, which has "
+                             f"{node.gpus_per_node} GPUs per node: a GPU job runs one task per "
+                             f"GPU; use --ntasks-per-node {node.gpus_per_node} (or leave it out) "
+                             "and more --nodes")
+        gpus = (node.gpus_per_node or 0) if tasks is None else min(tasks,
+                                                                   node.gpus_per_node or 0)
     validate.positive(gpus, "--gpus-per-node", minimum=0)
     if gpus == 0:
         if node.gpus_per_node:
@@ -61,10 +79,11 @@ def _check_gpus(node: NodeClass, gpus: int, tasks: int | None, profile: ClusterP
                              f"{node.kind} ({node.gpus_per_node} per node): ask "
                              f"--gpus-per-node 1 to {node.gpus_per_node}, or pick a CPU "
                              f"{node.kind}")
-        return validate.positive(1 if tasks is None else tasks, "--tasks-per-node")
+        return 0, 1 if tasks is None else tasks
     if node.gpus_per_node == 0:
-        raise ValueError(f"{_where(node)} of cluster {profile.name} has no GPUs: use "
-                         "--gpus-per-node 0 --tasks-per-node N, or a GPU partition")
+        raise ValueError(f"{_where(node)} of cluster {profile.name} has no GPUs: leave "
+                         f"--gpus-per-node {gpus} out (a CPU job: --ntasks-per-node N), or pick "
+                         "a GPU partition")
     if node.gpus_per_node is not None and gpus > node.gpus_per_node:
         bigger = [n.name for n in (*profile.partitions.values(), *profile.constraints.values())
                   if n.gpus_per_node and n.gpus_per_node >= gpus]
@@ -73,9 +92,24 @@ def _check_gpus(node: NodeClass, gpus: int, tasks: int | None, profile: ClusterP
                          f"--gpus-per-node {gpus} asks for more: use --gpus-per-node "
                          f"{node.gpus_per_node} and more --nodes{hint}")
     if tasks is not None and tasks != gpus:
-        raise ValueError(f"--tasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
-                         "one task per GPU; leave --tasks-per-node out")
-    return gpus
+        raise ValueError(f"--ntasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
+                         "one task per GPU; give one of the two")
+    return gpus, gpus
+
+
+def _tasks_per_node(nodes: int, ntasks: int | None, ntasks_per_node: int | None) -> int | None:
+    """``--ntasks-per-node`` from ``-n/--ntasks`` (spread evenly over the nodes)."""
+    if ntasks is None:
+        return ntasks_per_node
+    validate.positive(ntasks, "--ntasks")
+    if ntasks % nodes:
+        raise ValueError(f"--ntasks {ntasks} does not split evenly over --nodes {nodes}: every "
+                         f"node runs as many tasks (ask --ntasks {ntasks // nodes * nodes or nodes}"
+                         " or give --ntasks-per-node)")
+    if ntasks_per_node is not None and ntasks_per_node * nodes != ntasks:
+        raise ValueError(f"--ntasks {ntasks} and --ntasks-per-node {ntasks_per_node} on "
+                         f"{nodes} node(s) disagree: give one of the two")
+    return ntasks // nodes
 
 
 def _choose_qos(node: NodeClass, profile: ClusterProfile, qos: str | None, seconds: int
@@ -132,8 +166,9 @@ def plan_job(
     *,
     cluster: str | ClusterProfile = "generic",
     nodes: int = 1,
-    gpus_per_node: int = 0,
-    tasks_per_node: int | None = None,
+    ntasks: int | None = None,
+    ntasks_per_node: int | None = None,
+    gpus_per_node: int | None = None,
     cpus_per_task: int | None = None,
     time: str | None = None,
     account: str | None = None,
@@ -146,9 +181,17 @@ def plan_job(
     requeue: bool = False,
     signal_seconds: int | None = None,
     output: str = "%x-%j.out",
+    template: str | os.PathLike | None = None,
+    label: bool = False,
     profile_env: Mapping[str, str] | None = None,
 ) -> JobPlan:
-    """Check a job request against its cluster profile and resolve every default."""
+    """Check a job request against its cluster profile and resolve every default.
+
+    The names are sbatch's (``nodes``, ``ntasks``, ``ntasks_per_node``, ``gpus_per_node``,
+    ``cpus_per_task``, ``time``, ...). ``gpus_per_node`` defaults to every GPU of the node type
+    (none on CPU or unknown nodes: a CPU job of ``ntasks_per_node`` tasks); ``template`` is a
+    site's template file that extends the packaged ones (default: the profile's).
+    """
     profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
                                                                               profile_env)
     if isinstance(command, (str, bytes)):
@@ -159,27 +202,30 @@ def plan_job(
         raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
     validate.positive(nodes, "--nodes")
     node, partition, constraint = profile.select(partition, constraint)
-    tasks = _check_gpus(node, gpus_per_node, tasks_per_node, profile)
+    gpus, tasks = _layout(node, gpus_per_node, _tasks_per_node(nodes, ntasks, ntasks_per_node),
+                          profile)
     seconds = profile.default_time if time is None else validate.parse_time(time)
     if node.max_time is not None and seconds > node.max_time:
         raise ValueError(f"--time {validate.format_time(seconds)} is over the "
                          f"{validate.format_time(node.max_time)} limit of {_where(node)}")
     chosen_qos = _choose_qos(node, profile, qos, seconds)
     if signal_seconds is not None:
-        validate.positive(signal_seconds, "--signal-seconds")
+        validate.positive(signal_seconds, "--signal")
         if signal_seconds >= seconds or signal_seconds > 65535:
-            raise ValueError(f"--signal-seconds {signal_seconds} must be shorter than the job's "
-                             f"{validate.format_time(seconds)} (and at most 65535)")
+            raise ValueError(f"--signal USR2@{signal_seconds}: the signal must come before the "
+                             f"job's {validate.format_time(seconds)} limit (and at most 65535 s "
+                             "before)")
     elif requeue:
         signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
     job_modules = profile.default_modules if modules is None else validate.modules(modules)
     return JobPlan(
         cluster=profile.name,
-        template=profile.template,
+        template=(profile.template if template is None
+                  else str(validate.template_file(template))),
         job_name=validate.token(job_name, "--job-name"),
         nodes=nodes,
-        tasks_per_node=tasks,
-        gpus_per_node=gpus_per_node,
+        ntasks_per_node=tasks,
+        gpus_per_node=gpus,
         cpus_per_task=validate.positive(node.cpus_per_task if cpus_per_task is None
                                         else cpus_per_task, "--cpus-per-task"),
         time=validate.format_time(seconds),
@@ -196,4 +242,5 @@ def plan_job(
         srun_mpi=profile.srun_mpi,
         command=command,
         storage=tuple(profile.storage.items()),
+        label=bool(label),
     )

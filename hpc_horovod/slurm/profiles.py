@@ -1,6 +1,6 @@
 """Cluster profiles: what a site's SLURM offers, as data.
 
-A profile (``profiles/<name>.toml`` in this package) lists the partitions and node constraints
+A profile (``slurm_templates/profiles/<name>.toml``) lists the partitions and node constraints
 with their GPUs per node and CPUs per task, the QoS names with their maximum wall time, the
 account suffix each node type is billed to, the modules to load, the ``srun --mpi`` plugin and
 whether the site wants ``--hint=nomultithread``. A profile without partitions (``generic``) lets
@@ -26,9 +26,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
+from ..shipped import shipped_dir
 from . import validate
 
 PARTITION = "partition"
@@ -126,7 +126,8 @@ def _seconds(value, where: str) -> int:
     try:
         return validate.parse_time(value)
     except ValueError:
-        raise ValueError(f"{where}: {value!r} is not HH:MM:SS") from None
+        raise ValueError(f"{where}: {value!r} is not a SLURM time "
+                         f"({validate.TIME_FORMATS})") from None
 
 
 def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: str) -> NodeClass:
@@ -209,10 +210,9 @@ def _merge(base: dict, override: Mapping) -> dict:
 
 def _builtin_tables() -> dict[str, tuple[dict, str]]:
     tables = {}
-    for entry in resources.files(__package__).joinpath("profiles").iterdir():
-        if entry.name.endswith(".toml"):
-            tables[entry.name[:-5]] = (tomllib.loads(entry.read_text(encoding="utf-8")),
-                                       f"built-in {entry.name}")
+    for entry in sorted((shipped_dir("slurm_templates") / "profiles").glob("*.toml")):
+        tables[entry.stem] = (tomllib.loads(entry.read_text(encoding="utf-8")),
+                              f"built-in {entry.name}")
     return tables
 
 

@@ -7,15 +7,15 @@ import shutil
 import subprocess
 
 
-def submit(script: str | None = None, path: str | os.PathLike | None = None,
+def sbatch(script: str | None = None, path: str | os.PathLike | None = None,
            timeout: float = 120) -> str:
     """``sbatch --parsable`` the file at ``path``, or ``script`` text on stdin; the job id."""
     if (script is None) == (path is None):
-        raise ValueError("submit() takes the script text or the path of a script file")
+        raise ValueError("sbatch() takes the script text or the path of a script file")
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise RuntimeError("sbatch is not on PATH: submit from a SLURM login node (or write the "
-                           "script with -o FILE and copy it there)")
+                           "script with --script FILE and copy it there)")
     cmd = [sbatch, "--parsable"] + ([os.fspath(path)] if path is not None else [])
     proc = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
-_TIME = re.compile(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)")
+#: SLURM's six time formats; a field after the first is bounded (minutes and seconds 0-59,
+#: hours after a day count 0-23), which SLURM itself would silently carry over
+_TIME = re.compile(
+    r"(?P<days>[0-9]+)-(?P<day_hours>[01]?[0-9]|2[0-3])"
+    r"(?::(?P<day_minutes>[0-5]?[0-9])(?::(?P<day_seconds>[0-5]?[0-9]))?)?"
+    r"|(?P<hours>[0-9]+):(?P<hour_minutes>[0-5]?[0-9]):(?P<hour_seconds>[0-5]?[0-9])"
+    r"|(?P<minutes>[0-9]+)(?::(?P<minute_seconds>[0-5]?[0-9]))?")
+#: the formats, for error messages
+TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _ACCOUNT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?")
-_MODULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*(/[A-Za-z0-9._+-]+)*")
+#: an environment module's name: NAME or NAME/VERSION (also what a modulefile may depend on)
+MODULE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*(/[A-Za-z0-9._+-]+)*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OUTPUT = re.compile(r"[A-Za-z0-9._%/+@=,:-]+")
 
@@ -24,15 +34,22 @@ TOKEN_ALPHABET = "letters, digits and . _ + - (not starting with a symbol)"
 
 
 def parse_time(text: str) -> int:
-    """``HH:MM:SS`` or ``D-HH:MM:SS`` (SLURM's formats; hours may exceed 24) -> seconds."""
+    """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``;
+    minutes and hours of the leading field unbounded) -> seconds."""
     match = _TIME.fullmatch(str(text).strip())
     if match is None:
-        raise ValueError(f"--time {text!r} is not a SLURM time: write HH:MM:SS (e.g. 20:00:00, "
-                         "100:00:00) or D-HH:MM:SS (e.g. 1-12:00:00)")
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+        raise ValueError(f"--time {text!r} is not a SLURM time: write {TIME_FORMATS} (e.g. 30 "
+                         "for 30 minutes, 20:00:00, 100:00:00, 1-12); minutes and seconds "
+                         "after the first field are 0-59, hours after a day count 0-23")
+    g = {key: int(value) for key, value in match.groupdict().items() if value is not None}
+    days = g.get("days", 0)
+    hours = g.get("day_hours", g.get("hours", 0))
+    minutes = g.get("day_minutes", g.get("hour_minutes", g.get("minutes", 0)))
+    seconds = g.get("day_seconds", g.get("hour_seconds", g.get("minute_seconds", 0)))
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total == 0:
-        raise ValueError("--time 00:00:00 is empty: write a positive HH:MM:SS")
+        raise ValueError(f"--time {text!r} is empty: a job needs a positive time limit "
+                         f"({TIME_FORMATS})")
     return total
 
 
@@ -64,11 +81,23 @@ def modules(names: Iterable[str]) -> tuple[str, ...]:
         name = str(name).strip()
         if not name:
             continue
-        if _MODULE.fullmatch(name) is None:
+        if MODULE_NAME.fullmatch(name) is None:
             raise ValueError(f"--modules: {name!r} is not a module name (NAME or NAME/VERSION "
                              "with letters, digits and . _ + -)")
         out.append(name)
     return tuple(out)
+
+
+def assignments(items: Iterable[str], option: str) -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` from a command line -> ``{"NAME": "VALUE"}``; the names are the
+    caller's to check. ``option`` names the flag in the error (``--env``, ``--setenv``)."""
+    result = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        if not sep:
+            raise ValueError(f"{option} expects NAME=VALUE, got {item!r}")
+        result[name] = value
+    return result
 
 
 def env_vars(items: Mapping[str, str] | Iterable[str]) -> tuple[tuple[str, str], ...]:
@@ -76,21 +105,14 @@ def env_vars(items: Mapping[str, str] | Iterable[str]) -> tuple[tuple[str, str],
 
     Values may hold anything: the template shell-quotes them.
     """
-    pairs = items.items() if isinstance(items, Mapping) else (_split_env(i) for i in items)
+    pairs = items if isinstance(items, Mapping) else assignments(items, "--env")
     out = []
-    for name, value in pairs:
+    for name, value in pairs.items():
         if _ENV_NAME.fullmatch(str(name)) is None:
             raise ValueError(f"--env: {name!r} is not an environment variable name (letters, "
                              "digits and _, not starting with a digit)")
         out.append((str(name), str(value)))
     return tuple(out)
-
-
-def _split_env(item: str) -> tuple[str, str]:
-    name, sep, value = str(item).partition("=")
-    if not sep:
-        raise ValueError(f"--env expects NAME=VALUE, got {item!r}")
-    return name, value
 
 
 def output_pattern(value: str) -> str:
@@ -106,3 +128,35 @@ def positive(value: int, option: str, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{option} must be at least {minimum}, got {value}")
     return value
+
+
+_SIGNAL = re.compile(r"(?:(?P<batch>B):)?(?:SIG)?(?P<name>[A-Z0-9]+)(?:@(?P<seconds>[0-9]+))?")
+
+
+def signal_seconds(value: str) -> int:
+    """SLURM's ``--signal=[B:]SIG[@TIME]`` -> the seconds before the limit, for SIGUSR2 (the
+    signal :func:`~hpc_horovod.slurm.requeue_on_signal` handles) sent to every task."""
+    match = _SIGNAL.fullmatch(str(value).strip().upper())
+    if match is None or match.group("name") not in ("USR2", "12"):
+        raise ValueError(f"--signal {value!r}: write USR2@SECONDS (e.g. USR2@300), the signal "
+                         "hpc_horovod.slurm.requeue_on_signal handles")
+    if match.group("batch"):
+        raise ValueError(f"--signal {value!r}: B: sends the signal to the batch shell only; "
+                         "every task must get it: write USR2@SECONDS")
+    return int(match.group("seconds") or 60)  # SLURM's default: 60 s before the limit
+
+
+def template_file(value: str | Path) -> Path:
+    """A site's job script template given as a path: an existing, readable UTF-8 ``.j2`` file
+    (its absolute path). What it must say is checked when it is rendered."""
+    path = Path(value).expanduser()
+    if not path.name.endswith(".j2"):
+        raise ValueError(f"--template {str(value)!r} is not a jinja2 template: its name must end "
+                         "in .j2 (e.g. mysite.sbatch.j2)")
+    if not path.is_file():
+        raise ValueError(f"--template {str(value)!r}: no such file")
+    try:
+        path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--template {str(value)!r} cannot be read: {exc}") from None
+    return path.absolute()

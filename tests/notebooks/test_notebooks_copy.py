@@ -10,14 +10,14 @@ import pytest
 from hpc_horovod import cli
 from hpc_horovod.notebooks_cli import copy_notebooks, shipped_notebooks
 
-PACKAGE_NOTEBOOKS = Path(__file__).resolve().parents[2] / "hpc_horovod" / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"  # the single source
 NAMES = ["data_parallel_keras.ipynb", "data_parallel_pytorch.ipynb"]
 
 
 def test_both_notebooks_ship_and_are_valid():
     assert [nb.name for nb in shipped_notebooks()] == NAMES
     for name in NAMES:
-        nb = nbformat.read(PACKAGE_NOTEBOOKS / name, as_version=4)
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
         assert not any(cell.get("outputs") for cell in nb.cells), f"{name} is stored executed"
 
@@ -27,7 +27,7 @@ def test_copy_to_explicit_destination_creates_it(tmp_path):
     written = copy_notebooks(dest)
     assert [p.name for p in written] == NAMES
     for name in NAMES:
-        assert (dest / name).read_bytes() == (PACKAGE_NOTEBOOKS / name).read_bytes()
+        assert (dest / name).read_bytes() == (NOTEBOOKS / name).read_bytes()
 
 
 def test_default_is_work(tmp_path, monkeypatch, capsys):
@@ -78,4 +78,4 @@ def test_force_replaces(tmp_path):
     assert all(str(tmp_path / name) in str(info.value) for name in NAMES)
     assert cli.main(["notebooks", "copy", str(tmp_path), "--force"]) == 0
     for name in NAMES:
-        assert (tmp_path / name).read_bytes() == (PACKAGE_NOTEBOOKS / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (NOTEBOOKS / name).read_bytes()

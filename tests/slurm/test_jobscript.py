@@ -1,5 +1,6 @@
 """Job scripts from the templates, and every refusal, without SLURM."""
 
+import re
 import shlex
 import subprocess
 
@@ -68,7 +69,7 @@ def test_long_jobs_get_the_longer_qos():
 
 
 def test_generic_cpu_job():
-    script = render(nodes=2, gpus_per_node=0, tasks_per_node=3, partition="debug")
+    script = render(nodes=2, gpus_per_node=0, ntasks_per_node=3, partition="debug")
     d = directives(script)
     assert d["--ntasks-per-node"] == "3" and "--gres" not in d and "--hint" not in d
     assert d["--partition"] == "debug" and d["--cpus-per-task"] == "1"
@@ -93,13 +94,19 @@ def test_oscar_partition_with_feature_constraint():
     (dict(gpus_per_node=4, time="101:00:00"), "over the 100:00:00 limit of partition gpu_p13"),
     (dict(gpus_per_node=8, constraint="a100", time="21:00:00"), "20:00:00 limit of constraint"),
     (dict(gpus_per_node=4, nodes=0), "--nodes must be at least 1"),
-    (dict(gpus_per_node=4, time="20h"), "HH:MM:SS"),
+    (dict(gpus_per_node=4, time="20h"), "--time '20h' is not a SLURM time: write MM, MM:SS"),
     (dict(gpus_per_node=4, env=["BAD-NAME=1"]), "environment variable name"),
     (dict(gpus_per_node=0), "GPU partition"),
-    (dict(gpus_per_node=4, tasks_per_node=2), "one task per GPU"),
+    (dict(gpus_per_node=4, ntasks_per_node=2), "one task per GPU"),
     (dict(gpus_per_node=4, account="abc@h100"), "--account abc@v100"),
     (dict(gpus_per_node=4, constraint="h100", partition="gpu_p13"), "not both"),
-    (dict(gpus_per_node=4, signal_seconds=7200), "--signal-seconds"),
+    (dict(gpus_per_node=4, signal_seconds=7200), "--signal USR2@7200: the signal must come"),
+    (dict(nodes=2, ntasks=3), "--ntasks 3 does not split evenly over --nodes 2"),
+    (dict(nodes=2, ntasks=4, ntasks_per_node=1), "disagree"),
+    (dict(ntasks_per_node=0), "--ntasks-per-node must be at least 1, got 0"),
+    (dict(ntasks_per_node=8), "--ntasks-per-node 8 on partition gpu_p13, which has 4 GPUs"),
+    (dict(gpus_per_node=4, template="/nonexistent/site.sbatch.j2"), "no such file"),
+    (dict(gpus_per_node=4, template="/etc/hostname"), "must end in .j2"),
     (dict(gpus_per_node=4, job_name="x; rm -rf ~"), "--job-name"),
     (dict(gpus_per_node=4, job_name="x\n#SBATCH --uid=0"), "--job-name"),
     (dict(gpus_per_node=4, modules=["m;rm"]), "module name"),
@@ -139,14 +146,94 @@ def test_cli_writes_the_script_or_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
     out = tmp_path / "job.sh"
     assert main(["sbatch", "--cluster", "jean-zay", "--nodes", "2", "--gpus-per-node", "4",
-                 "--env", "A=1", "-o", str(out), "--", "python", "train.py", "a b"]) == 0
+                 "--env", "A=1", "--script", str(out), "--", "python", "train.py", "a b"]) == 0
     assert srun_line(out.read_text())[3:] == ["python", "train.py", "a b"]
     assert main(["sbatch", "--gpus-per-node", "1", "--modules", "", "--", "python", "t.py"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("#!/bin/bash\n") and "module" not in printed
 
     bad = tmp_path / "bad.sh"
-    assert main(["sbatch", "--cluster", "jean-zay", "--gpus-per-node", "4", "--job-name",
-                 "x; rm -rf ~", "-o", str(bad), "--", "python", "t.py"]) == 2
+    assert main(["sbatch", "--cluster", "jean-zay", "-J", "x; rm -rf ~", "--script", str(bad),
+                 "--", "python", "t.py"]) == 2
     assert not bad.exists()
     assert "--job-name 'x; rm -rf ~' may only contain" in capsys.readouterr().err
+
+
+def cli_directives(capsys, *argv: str) -> dict[str, str]:
+    assert main(["sbatch", *argv, "--", "python", "t.py"]) == 0, capsys.readouterr().err
+    return directives(capsys.readouterr().out)
+
+
+def test_cli_speaks_slurm(capsys, monkeypatch):
+    """sbatch's own spellings, short and long, on a CPU partition."""
+    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
+    d = cli_directives(capsys, "-N", "2", "--ntasks-per-node", "40", "-p", "cpu", "-t", "30",
+                       "-J", "sim", "-A", "proj", "-q", "normal", "-c", "2", "-o", "logs/%j.out",
+                       "--signal", "USR2@120", "--requeue")
+    assert d["--nodes"] == "2" and d["--ntasks-per-node"] == "40" and "--gres" not in d
+    assert d["--partition"] == "cpu" and d["--time"] == "00:30:00" and d["--job-name"] == "sim"
+    assert d["--account"] == "proj" and d["--qos"] == "normal" and d["--cpus-per-task"] == "2"
+    assert d["--output"] == "logs/%j.out" and d["--signal"] == "USR2@120"
+    long = cli_directives(capsys, "--nodes=2", "--tasks-per-node=3", "--time=1-12",
+                          "--constraint=skylake", "--job-name=sim")
+    assert long["--ntasks-per-node"] == "3" and long["--time"] == "36:00:00"
+    assert long["--constraint"] == "skylake"
+    assert cli_directives(capsys, "-N", "2", "-n", "8")["--ntasks-per-node"] == "4"
+
+
+def test_the_issue_command_is_a_cpu_job(capsys, monkeypatch):
+    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
+    d = cli_directives(capsys, "--cluster", "generic", "--nodes", "2", "--ntasks-per-node", "2")
+    assert d["--nodes"] == "2" and d["--ntasks-per-node"] == "2" and "--gres" not in d
+
+
+@pytest.mark.parametrize("cluster, options, gpus, tasks", [
+    ("jean-zay", {}, 4, 4),                                 # every GPU of a gpu_p13 node
+    ("jean-zay", {"constraint": "a100"}, 8, 8),
+    ("jean-zay", {"ntasks_per_node": 2}, 2, 2),             # one GPU per asked task
+    ("oscar", {"partition": "gpu-he"}, 4, 4),
+    ("oscar", {"partition": "batch", "ntasks_per_node": 32}, 0, 32),  # a CPU partition
+    ("oscar", {}, 0, 1),                                    # GPUs per node unknown: CPU job
+    ("generic", {"ntasks_per_node": 40}, 0, 40),
+])
+def test_gpus_per_node_defaults_to_the_node_type(cluster, options, gpus, tasks):
+    d = directives(render(cluster, **options))
+    assert d["--ntasks-per-node"] == str(tasks)
+    assert d.get("--gres") == (f"gpu:{gpus}" if gpus else None)
+
+
+SITE_TEMPLATE = """\
+{% extends "base.sbatch.j2" %}
+{% block setup %}
+{{ super() }}
+echo "mysite: job {{ job.job_name }}"
+{% endblock %}
+"""
+
+
+def test_site_template_extends_the_base(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
+    site = tmp_path / "mysite.sbatch.j2"
+    site.write_text(SITE_TEMPLATE)
+    # a file named like a packaged template next to it does not replace the packaged one
+    (tmp_path / "base.sbatch.j2").write_text("#!/bin/sh\necho hijacked\n")
+    assert main(["sbatch", "-N", "2", "-J", "sitejob", "--template", str(site), "--", "python",
+                 "t.py"]) == 0
+    script = capsys.readouterr().out
+    assert 'echo "mysite: job sitejob"' in script and "hijacked" not in script
+    assert directives(script)["--nodes"] == "2" and srun_line(script)[3:] == ["python", "t.py"]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("#!/bin/bash\nsrun {{ job.command | shjoin }}\n", "must start with {% extends"),
+    ('{% extends "nowhere.sbatch.j2" %}\n', "must start with {% extends"),
+    ('{% extends "base.sbatch.j2" %}\n{% block setup %}\n', "line 2"),
+    ('{% extends "base.sbatch.j2" %}\n{% block setup %}{{ job.nothing }}{% endblock %}\n',
+     "nothing"),
+])
+def test_bad_site_templates_are_explained(tmp_path, text, error):
+    site = tmp_path / "mysite.sbatch.j2"
+    site.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(error)) as info:
+        render(template=str(site))
+    assert str(site) in str(info.value)

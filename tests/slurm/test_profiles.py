@@ -63,7 +63,7 @@ def test_user_file_overrides_and_adds_clusters(tmp_path):
     ("[x]\n[x.partitions.p]\ngpus = 4\n", "unknown keys"),
     ("[x]\n[x.partitions.p]\nqos = ['q']\n", "does not define"),
     ("[x]\ndefault = 'p'\n", "neither a partition"),
-    ("[x]\n[x.partitions.p]\nmax_time = '100h'\n", "not HH:MM:SS"),
+    ("[x]\n[x.partitions.p]\nmax_time = '100h'\n", "'100h' is not a SLURM time"),
     ("x = 1\n", "must be a table"),
     ("[x\n", "clusters.toml"),
 ])

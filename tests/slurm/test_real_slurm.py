@@ -1,5 +1,6 @@
 """Jobs on a real SLURM (the ``slurm`` fixture): generated job scripts, layouts, launch mistakes,
-a rank killed mid-training, requeue on SIGUSR2, and ``srun hpc-horovod doctor``.
+a rank killed mid-training, requeue on SIGUSR2, ``srun hpc-horovod doctor``, and what sbatch
+itself makes of the options and times ``hpc-horovod sbatch`` accepts.
 
 The two "nodes" run on this host; their GPUs are fake device files (there is no GPU here), so
 only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is exercised with them.
@@ -9,18 +10,20 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_validate import BAD_TIMES, SLURM_TIMES  # a sibling module (pytest's rootdir import)
 
-from hpc_horovod.slurm import render_job
+from hpc_horovod.slurm import render_job, validate
 
 pytestmark = pytest.mark.slurm
 
 WORKERS = Path(__file__).resolve().parent / "workers"
-HPC_HOROVOD = [sys.executable, "-m", "hpc_horovod.cli"]
+HPC_HOROVOD = [sys.executable, "-m", "hpc_horovod"]
 
 
 def _job_script(tmp_path: Path, name: str, command: list[str], **options) -> Path:
@@ -40,7 +43,7 @@ def _output(tmp_path: Path, name: str) -> str:
 def test_generated_script_runs_one_rank_per_task(slurm, tmp_path, nodes, tasks):
     script = _job_script(tmp_path, f"layout{nodes}x{tasks}",
                          [sys.executable, str(WORKERS / "check_layout.py")],
-                         nodes=nodes, gpus_per_node=0, tasks_per_node=tasks)
+                         nodes=nodes, gpus_per_node=0, ntasks_per_node=tasks)
     status, record = slurm.submit_and_wait(script)
     out = _output(tmp_path, f"layout{nodes}x{tasks}")
     assert status == 0, f"{record}\n{out}"
@@ -52,7 +55,7 @@ def test_arguments_reach_every_task_verbatim(slurm, tmp_path):
     nasty = ["x; touch pwned1", "$(touch pwned2)", "`touch pwned3`", "a'b\nc", "*"]
     code = "import json, os, sys; print('ARGS', json.dumps([sys.argv[1:], os.environ['NOTE']]))"
     script = _job_script(tmp_path, "quoting", [sys.executable, "-c", code, *nasty],
-                         nodes=1, gpus_per_node=0, tasks_per_node=2,
+                         nodes=1, gpus_per_node=0, ntasks_per_node=2,
                          env={"NOTE": "$(touch pwned4); echo"})
     status, _ = slurm.submit_and_wait(script)
     out = _output(tmp_path, "quoting")
@@ -120,7 +123,7 @@ def test_killed_rank_ends_the_job(slurm, tmp_path):
     the step as soon as rank 1 dies (the wait is bounded well below that minute)."""
     script = _job_script(tmp_path, "killed", [sys.executable,
                                               str(WORKERS / "train_until_killed.py"), "1"],
-                         nodes=2, gpus_per_node=0, tasks_per_node=1)
+                         nodes=2, gpus_per_node=0, ntasks_per_node=1)
     assert "--kill-on-bad-exit=1" in script.read_text()
     status, record = slurm.submit_and_wait(script, timeout=45)
     out = _output(tmp_path, "killed")
@@ -134,7 +137,7 @@ def test_requeue_on_signal_saves_requeues_and_resumes(slurm, tmp_path):
     checkpoint, progress = tmp_path / "checkpoint.json", tmp_path / "progress"
     proc = slurm.run([*HPC_HOROVOD, "sbatch", "--cluster", "generic", "--nodes", "2",
                       "--gpus-per-node", "0", "--partition", "debug", "--time", "00:10:00",
-                      "--requeue", "--job-name", "requeue", "--modules", "", "-o", "job.sh",
+                      "--requeue", "--job-name", "requeue", "--modules", "", "--script", "job.sh",
                       "--submit", "--", sys.executable, str(WORKERS / "train_requeue.py"),
                       str(checkpoint), str(progress)], cwd=tmp_path, check=True)
     job = proc.stdout.strip()
@@ -197,3 +200,59 @@ def test_doctor_without_mpi_plugin(slurm):
     assert proc.returncode != 0
     assert proc.stdout.count("without an MPI plugin") == 2, proc.stdout + proc.stderr
     assert "srun --mpi=pmix" in proc.stdout
+
+
+def _slurm_minutes(limit: str) -> int:
+    """``scontrol``'s TimeLimit (``[D-]HH:MM:SS``) in minutes."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, _ = (int(x) for x in clock.split(":"))
+    return (int(days or 0) * 24 + hours) * 60 + minutes
+
+
+def test_times_mean_what_sbatch_reads(slurm, tmp_path):
+    """Every time format accepted here is one sbatch accepts, with the same limit (SLURM keeps
+    whole minutes, rounding seconds up); the strings refused here that sbatch takes are the
+    unlimited ones and out-of-range fields, which SLURM carries over silently."""
+    for text, seconds in SLURM_TIMES:
+        assert validate.parse_time(text) == seconds
+        proc = slurm.run(["sbatch", "--parsable", "--hold", "-t", text, "-o", "/dev/null",
+                          "--wrap", "true"], cwd=tmp_path, check=True)
+        job = proc.stdout.strip().split(";")[0]
+        limit = slurm.job_state(job)["TimeLimit"]
+        slurm.run(["scancel", job], check=True)
+        assert _slurm_minutes(limit) == -(-seconds // 60), (text, limit)
+        # and the form written into job scripts reads back the same
+        assert validate.parse_time(validate.format_time(seconds)) == seconds
+    refused = [text for text in BAD_TIMES if slurm.run(
+        ["sbatch", "--test-only", "-t", text, "--wrap", "true"], cwd=tmp_path).returncode != 0]
+    assert {"20h", "1:2:3:4", ""} <= set(refused), refused
+
+
+def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
+    proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-c", "1",
+                      "-t", "5", "-J", "spelled", "-p", "debug", "-o", "spelled-%j.out",
+                      "--signal", "USR2@60", "--requeue", "--script", "job.sh", "--",
+                      "python", "t.py"], cwd=tmp_path, check=True)
+    assert proc.stdout == ""
+    test = slurm.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path)
+    assert test.returncode == 0 and "to start at" in test.stderr and "n[1-2]" in test.stderr, \
+        test.stderr
+    # a GPU job takes every GPU of the node type by default: the test nodes have 2
+    gpus = render_job(["python", "t.py"], cluster="generic", nodes=2, gpus_per_node=2,
+                      time="1-0", job_name="gpus")
+    test = subprocess.run(["sbatch", "--test-only"], input=gpus, capture_output=True, text=True,
+                          env=slurm.env(), cwd=tmp_path, timeout=60)
+    assert test.returncode == 0, test.stderr
+
+
+def test_cpu_job_with_slurm_spellings_runs(slurm, tmp_path):
+    """hpc-horovod sbatch -N 2 --ntasks-per-node 2 ... --submit: four ranks on two nodes."""
+    proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-t", "3",
+                      "-J", "cpujob", "-p", "debug", "--modules", "", "--submit", "--",
+                      sys.executable, str(WORKERS / "check_layout.py")], cwd=tmp_path,
+                     check=True)
+    state = slurm.wait_job(proc.stdout.strip(), 60)
+    out = _output(tmp_path, "cpujob")
+    assert state["JobState"] == "COMPLETED", f"{state}\n{out}"
+    assert out.count("layout ok") == 4, out
+    assert state["NumNodes"] == "2" and state["NumTasks"] == "4", state

@@ -25,9 +25,11 @@ def sometimes_bad(good):
 options = st.fixed_dictionaries({
     "cluster": st.sampled_from(["generic", "generic", "jean-zay", "oscar", "nope"]),
     "nodes": st.one_of(st.integers(min_value=1, max_value=8), st.integers(-2, 600)),
-    "gpus_per_node": st.integers(min_value=0, max_value=9),
-    "time": sometimes_bad(st.sampled_from([None, "00:30:00", "01:00:00", "20:00:00",
-                                           "100:00:00", "2-00:00:00", "99:99:99"])),
+    "ntasks_per_node": st.one_of(st.none(), st.integers(min_value=-1, max_value=64)),
+    "gpus_per_node": st.one_of(st.none(), st.integers(min_value=0, max_value=9)),
+    "time": sometimes_bad(st.sampled_from([None, "30", "90:30", "00:30:00", "01:00:00",
+                                           "20:00:00", "100:00:00", "2-00:00:00", "1-12",
+                                           "3-4:30", "99:99:99"])),
     "account": sometimes_bad(st.one_of(st.none(), NAME)),
     "qos": sometimes_bad(st.sampled_from([None, None, "qos_gpu-t3", "qos_gpu-dev"])),
     "partition": sometimes_bad(st.sampled_from([None, None, "gpu_p13", "gpu_p2", "gpu"])),
@@ -49,8 +51,6 @@ def _directive_lines(script: str) -> list[str]:
 @given(command=commands, opts=options)
 def test_any_options_give_a_script_or_a_value_error(command, opts):
     kwargs = dict(opts, profile_env=NO_USER_PROFILES)
-    if opts["gpus_per_node"] == 0:
-        kwargs["tasks_per_node"] = 1
     try:
         script = render_job(command, **kwargs)
     except ValueError as exc:
@@ -78,7 +78,7 @@ def test_valid_options_always_give_a_script_with_the_command_intact(command, nod
                                                                       job_name, account, env,
                                                                       requeue):
     script = render_job(command, cluster="generic", nodes=nodes, gpus_per_node=0,
-                        tasks_per_node=tasks, job_name=job_name, account=account,
+                        ntasks_per_node=tasks, job_name=job_name, account=account,
                         env=env, requeue=requeue, profile_env=NO_USER_PROFILES)
     _check_script(script, command)
     assert f"--nodes={nodes}" in script and f"--ntasks-per-node={tasks}" in script

@@ -2,19 +2,46 @@ import pytest
 
 from hpc_horovod.slurm import validate
 
+#: SLURM's six formats (``man sbatch``, --time), and what each means in seconds; the same
+#: strings are checked against the local SLURM's own reading in test_real_slurm.py
+SLURM_TIMES = [
+    ("30", 1800), ("90", 5400), ("010", 600),                      # MM (minutes unbounded)
+    ("1:30", 90), ("90:30", 5430), ("0:05", 5),                   # MM:SS
+    ("00:10:00", 600), ("20:00:00", 72000), ("100:00:00", 360000),  # HH:MM:SS
+    ("1-0", 86400), ("2-12", 216000),                             # D-HH
+    ("1-2:30", 95400),                                            # D-HH:MM
+    ("1-12:00:30", 129630), ("0-0:0:1", 1),                       # D-HH:MM:SS
+]
+#: refused: not a time, no limit at all (0, INFINITE), or a later field out of range (which
+#: SLURM would silently carry into the next one)
+BAD_TIMES = ["20h", "1:2:3:4", "", "0", "00:00:00", "-1", "-1:00:00", "INFINITE", "1-",
+             "00:61:00", "00:00:60", "61:61", "1-25", "1-2:61", "10:00:00\n#SBATCH --x",
+             "1 0", "١٠"]
 
-@pytest.mark.parametrize("text, seconds", [
-    ("00:10:00", 600), ("20:00:00", 72000), ("100:00:00", 360000), ("1-12:00:30", 129630),
-])
+
+@pytest.mark.parametrize("text, seconds", SLURM_TIMES)
 def test_parse_time(text, seconds):
     assert validate.parse_time(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["1:00", "10", "00:61:00", "00:00:60", "1h", "", "00:00:00",
-                                  "-1:00:00", "10:00:00\n#SBATCH --x"])
-def test_bad_times_name_the_format(text):
-    with pytest.raises(ValueError, match="HH:MM:SS"):
+@pytest.mark.parametrize("text", BAD_TIMES)
+def test_bad_times_name_the_value_and_the_formats(text):
+    with pytest.raises(ValueError, match=r"--time .* (is not a SLURM time|is empty)") as info:
         validate.parse_time(text)
+    assert repr(text) in str(info.value) and "MM:SS" in str(info.value)
+
+
+@pytest.mark.parametrize("text, seconds", [("USR2@300", 300), ("SIGUSR2@90", 90), ("usr2", 60),
+                                           ("12@30", 30)])
+def test_signal(text, seconds):
+    assert validate.signal_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("text, error", [("USR1@300", "USR2@SECONDS"), ("B:USR2@300", "B:"),
+                                         ("USR2@5m", "USR2@SECONDS")])
+def test_bad_signals(text, error):
+    with pytest.raises(ValueError, match=error):
+        validate.signal_seconds(text)
 
 
 def test_format_time_keeps_hours_over_a_day():
@@ -41,8 +68,9 @@ def test_env_names_are_checked_values_are_not():
     for bad in (["1A=2"], ["A-B=1"], ["A B=1"], ["X\n=1"]):
         with pytest.raises(ValueError, match="environment variable name"):
             validate.env_vars(bad)
-    with pytest.raises(ValueError, match="NAME=VALUE"):
+    with pytest.raises(ValueError, match="--env expects NAME=VALUE, got 'NOVALUE'"):
         validate.env_vars(["NOVALUE"])
+    assert validate.assignments(["A=b=c", "B="], "--setenv") == {"A": "b=c", "B": ""}
 
 
 def test_modules_and_outputs():

@@ -27,7 +27,8 @@ def parse(*argv: str):
 
 
 def command(*argv: str, env: dict | None = None, cores: int | None = None) -> list[str]:
-    return launch.build_command(parse(*argv), {} if env is None else env, cores)
+    return launch.build_command(launch.Launch.from_args(parse(*argv)),
+                                {} if env is None else env, cores)
 
 
 def clean_env(extra: dict | None = None) -> dict:
@@ -281,3 +282,10 @@ def test_version_flag():
     proc = subprocess.run([*HPC_HOROVOD, "--version"], capture_output=True, text=True,
                           timeout=60, env=clean_env())
     assert proc.stdout.strip() == f"hpc_horovod {__version__}"
+
+
+def test_python_dash_m_is_the_command():
+    """``sys.executable -m hpc_horovod``: the command without a PATH lookup (notebook kernels)."""
+    proc = subprocess.run([sys.executable, "-m", "hpc_horovod", "--version"], capture_output=True,
+                          text=True, timeout=60, env=clean_env({"PATH": "/usr/bin:/bin"}))
+    assert proc.returncode == 0 and proc.stdout.strip() == f"hpc_horovod {__version__}"

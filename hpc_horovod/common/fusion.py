@@ -260,27 +260,82 @@ class FusedAllreduce:
 
 
 def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:
-    """The GPU version: the backend's reusable device fusion buffer, cupy kernels on the
-    backend's stream (the engine makes it current), results copied out of the buffer into
-    each request's output, since the buffer is reused by the next group."""
+    """The GPU version, on the device's stream (the engine makes it current), with as few
+    passes over device memory as each case allows:
+
+    - in place, a tensor alone or tensors laid end to end in one allocation (a bucket that is
+      already one flat tensor): reduced in their own memory, no copy at all;
+    - out of place: packed (and scaled) into one fresh buffer, which the results are views of;
+    - otherwise (in place and scattered, or a joined rank's zeros): packed into the backend's
+      reusable fusion buffer and copied back into each output.
+
+    Fresh arrays come from the framework's allocator while the engine runs device work
+    (``gpu.use_framework_memory``), so the results handed to it are its own memory."""
     import cupy
 
+    span = _device_span(reqs, fused.total, dtype)
+    if span is not None:
+        _scale_device(span, pre)
+        backend.allreduce(span, op)
+        _scale_device(span, post)
+        for req in reqs:
+            req.result = req.output
+        return
     total = fused.total
-    buf = (backend.fusion_buffer(dtype, total) if hasattr(backend, "fusion_buffer")
-           else cupy.empty(total, dtype=dtype))[:total]
+    as_views = all(req is not None and req.output is None for req in reqs)
+    if as_views:
+        buf = cupy.empty(total, dtype=dtype)
+    elif hasattr(backend, "fusion_buffer"):
+        buf = backend.fusion_buffer(dtype, total)[:total]
+    else:
+        buf = cupy.empty(total, dtype=dtype)
     parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
              for req, n in zip(reqs, fused.sizes)]
-    cupy.concatenate(parts, out=buf)
-    if pre != 1.0:
-        cupy.multiply(buf, pre, out=buf, casting="unsafe")
+    if len(parts) == 1:
+        buf[...] = parts[0]
+    else:
+        cupy.concatenate(parts, out=buf)
+    _scale_device(buf, pre)
     backend.allreduce(buf, op)
-    if post != 1.0:
-        cupy.multiply(buf, post, out=buf, casting="unsafe")
+    _scale_device(buf, post)
     for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
-        if req is not None:
+        if req is None:
+            continue
+        if as_views:
+            req.result = buf[a:b].reshape(shape)
+        else:
             out = req.output if req.output is not None else cupy.empty(shape, dtype)
             out.reshape(-1)[...] = buf[a:b]
             req.result = out
+
+
+def laid_end_to_end(addresses: list[int], nbytes: list[int]) -> bool:
+    """True when each buffer starts where the previous one ends: together they are one flat
+    buffer."""
+    return all(addresses[i] + nbytes[i] == addresses[i + 1] for i in range(len(addresses) - 1))
+
+
+def _device_span(reqs, total: int, dtype):
+    """One device array over the group's own memory, when every request is in place (its
+    output is its input) and the inputs are laid end to end; else None."""
+    if any(req is None or req.output is not req.tensor for req in reqs):
+        return None
+    first = reqs[0].tensor
+    if len(reqs) == 1:
+        return first.reshape(-1)
+    if not laid_end_to_end([req.tensor.data.ptr for req in reqs],
+                           [req.tensor.nbytes for req in reqs]):
+        return None
+    import cupy
+
+    return cupy.ndarray((total,), dtype=dtype, memptr=first.data)
+
+
+def _scale_device(buf, factor: float) -> None:
+    if factor != 1.0:
+        import cupy
+
+        cupy.multiply(buf, factor, out=buf, casting="unsafe")
 
 
 def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.dtype, op: int,

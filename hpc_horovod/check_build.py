@@ -443,6 +443,8 @@ def multi_rank_note(nccl_code: int, gpus: int) -> str:
     """What a machine with ``gpus`` GPUs can test of the multi-rank paths with this NCCL."""
     from .common.gpu import nccl_version_tuple
 
+    if gpus == 0:
+        return "no GPU visible: nothing on the device can be tested here."
     if gpus >= 2:
         return f"{gpus} GPUs: run it with one rank per GPU to test the multi-rank paths."
     version = ".".join(map(str, nccl_version_tuple(nccl_code))) if nccl_code else "none"

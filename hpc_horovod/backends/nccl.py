@@ -625,6 +625,7 @@ class NcclBackend:
         """Wait for the stream to finish; False when it did not (see :meth:`free_device`)."""
         if self._device._stream is None:  # no device work ever ran
             return True
+        pin_thread(self.device)  # this thread may not have run any device work yet
         deadline = time.monotonic() + timeout_s
         while not self.stream.done:
             try:

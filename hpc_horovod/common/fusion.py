@@ -291,11 +291,14 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
         buf = cupy.empty(total, dtype=dtype)
     parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
              for req, n in zip(reqs, fused.sizes)]
-    if len(parts) == 1:
-        buf[...] = parts[0]
+    if len(parts) == 1 and pre != 1.0:  # copied and scaled in one pass
+        cupy.multiply(parts[0], pre, out=buf, casting="unsafe")
     else:
-        cupy.concatenate(parts, out=buf)
-    _scale_device(buf, pre)
+        if len(parts) == 1:
+            buf[...] = parts[0]
+        else:
+            cupy.concatenate(parts, out=buf)
+        _scale_device(buf, pre)
     backend.allreduce(buf, op)
     _scale_device(buf, post)
     for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):

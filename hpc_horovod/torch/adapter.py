@@ -79,14 +79,24 @@ def ready_event(arrays) -> torch.cuda.Event:
     return event
 
 
+def from_device(array) -> torch.Tensor:
+    """The tensor over a cupy array's memory (DLPack, zero copy). The exchange records and
+    waits for events on the current device's streams, on both sides: done with the array's
+    device current (torch's guard, which restores the previous device without creating its
+    context), it touches no other GPU."""
+    with torch.cuda.device(gpu.array_device(array)):
+        return torch.from_dlpack(array)
+
+
 def take_device_result(req) -> None:
     """Before torch reads a device result: its device's current stream waits for the engine's
     done event, and the result's memory (torch's, see :func:`torch_memory`) is marked as used
     by that stream, so that torch reuses it only once the stream is past its last use."""
     device = gpu.array_device(req.tensor)
     stream = torch.cuda.current_stream(device)
-    gpu.cupy_or_none().cuda.runtime.streamWaitEvent(stream.cuda_stream,
-                                                    gpu.event_pointer(req.done_event), 0)
+    with torch.cuda.device(device):
+        gpu.cupy_or_none().cuda.runtime.streamWaitEvent(stream.cuda_stream,
+                                                        gpu.event_pointer(req.done_event), 0)
     results = req.result if isinstance(req.result, tuple) else (req.result,)
     for result in results:
         owner = getattr(getattr(getattr(result, "data", None), "mem", None), "_owner", None)
@@ -139,10 +149,12 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
                              f"call it on tensor.contiguous() and copy back, or use the "
                              f"out-of-place {op_name.rstrip('_')}")
         if tensor.is_cuda and device_views(basics.device_transport(), tensor.dtype):
+            index = tensor.get_device()
             device = rank_device()
             if device is not None:
-                gpu.check_tensor_device(tensor.get_device(), device, op_name)
-            return gpu.cupy_or_none().from_dlpack(tensor.detach().contiguous())
+                gpu.check_tensor_device(index, device, op_name)
+            with torch.cuda.device(index):  # see from_device
+                return gpu.cupy_or_none().from_dlpack(tensor.detach().contiguous())
         host = to_host(tensor)
         if not host.is_contiguous():
             host = host.contiguous()
@@ -170,7 +182,7 @@ def to_torch(array: np.ndarray, device: torch.device | None = None) -> torch.Ten
     """A tensor on ``device`` (None: the CPU) holding ``array`` (zero copy on the CPU and for
     GPU arrays)."""
     if not isinstance(array, np.ndarray):
-        return torch.from_dlpack(array)
+        return from_device(array)
     if array.dtype == bfloat16:
         tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
@@ -188,7 +200,7 @@ def write_back(array: np.ndarray, target: torch.Tensor,
     if not isinstance(array, np.ndarray):
         if array.data.ptr != target.data_ptr():
             with torch.no_grad():
-                target.copy_(torch.from_dlpack(array).view(target.shape))
+                target.copy_(from_device(array).view(target.shape))
         return target
     if target.is_cpu and array.ctypes.data == target.data_ptr():
         return target

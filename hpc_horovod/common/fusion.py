@@ -267,7 +267,7 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
       already one flat tensor): reduced in their own memory, no copy at all;
     - out of place: packed (and scaled) into one fresh buffer, which the results are views of;
     - otherwise (in place and scattered, or a joined rank's zeros): packed into the backend's
-      reusable fusion buffer and copied back into each output.
+      reusable fusion buffer, and copied back into every output by one kernel.
 
     Fresh arrays come from the framework's allocator while the engine runs device work
     (``gpu.use_framework_memory``), so the results handed to it are its own memory."""
@@ -301,15 +301,59 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
         _scale_device(buf, pre)
     backend.allreduce(buf, op)
     _scale_device(buf, post)
-    for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
-        if req is None:
-            continue
-        if as_views:
+    if as_views:
+        for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
             req.result = buf[a:b].reshape(shape)
-        else:
-            out = req.output if req.output is not None else cupy.empty(shape, dtype)
-            out.reshape(-1)[...] = buf[a:b]
-            req.result = out
+        return
+    outs = []
+    for req, shape in zip(reqs, fused.shapes):
+        if req is not None:
+            req.result = req.output if req.output is not None else cupy.empty(shape, dtype)
+        outs.append(None if req is None else req.result)
+    _unpack_device(buf, outs, [b for _, b in fused.bounds])
+
+
+#: One kernel copies a reduced fusion buffer out into every output (instead of one copy kernel
+#: per tensor): thread i finds its segment by a binary search over the segments' ends.
+_UNPACK_SOURCE = r"""
+typedef ITEM T;
+extern "C" __global__ void hpc_horovod_unpack(const T* src, T* const* outs,
+                                              const long long* ends, int n, long long total) {
+    long long step = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += step) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {  /* the first segment that ends after i */
+            int mid = (lo + hi) >> 1;
+            if (i < ends[mid]) hi = mid; else lo = mid + 1;
+        }
+        T* out = outs[lo];
+        if (out != 0) out[i - (lo ? ends[lo - 1] : 0)] = src[i];
+    }
+}
+"""
+_UNPACK_ITEMS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+                 8: "unsigned long long"}
+_UNPACK_KERNELS: dict[int, object] = {}
+
+
+def _unpack_device(buf, outs: list, ends: list[int]) -> None:
+    """Copy segment k of ``buf`` (up to ``ends[k]``) into ``outs[k]`` (contiguous; None: drop
+    it), bit for bit, in one kernel on the current stream."""
+    import cupy
+
+    item = buf.dtype.itemsize
+    kernel = _UNPACK_KERNELS.get(item)
+    if kernel is None:
+        kernel = _UNPACK_KERNELS[item] = cupy.RawKernel(
+            _UNPACK_SOURCE.replace("ITEM", _UNPACK_ITEMS[item]), "hpc_horovod_unpack")
+    pointers = cupy.asarray(np.array([0 if out is None else out.data.ptr for out in outs],
+                                     dtype=np.uint64))
+    bounds = cupy.asarray(np.array(ends, dtype=np.int64))
+    total = int(buf.size)
+    threads = 256
+    blocks = max(1, min(-(-total // threads), 8192))
+    kernel((blocks,), (threads,), (buf, pointers, bounds, np.int32(len(outs)), np.int64(total)))
 
 
 def laid_end_to_end(addresses: list[int], nbytes: list[int]) -> bool:

@@ -94,9 +94,10 @@ def test_bfloat16_on_the_device_needs_cupy_14_numpy_2_1_2_and_ml_dtypes():
     assert not gpu.cupy_takes_bfloat16("14.2.0", "2.3.0", False)
 
 
-def test_fallback_warning_names_the_cuda_13_packages_when_unknown():
+def test_fallback_warning_names_the_nccl_package_of_this_cuda():
     text = gpu.fallback_warning(gpu.MPI_STAGED, True, 0)
-    assert "nvidia-nccl-cu12" in text and "nvidia-nccl-cu13" in text
+    assert f"pip install {gpu.nccl_package(gpu.cuda_runtime_version())}" in text
+    assert "cupy-cuda1" in gpu.fallback_warning(gpu.MPI_STAGED, False, 0)
 
 
 # -- staging decisions ----------------------------------------------------------------------------
@@ -170,3 +171,22 @@ def test_one_process_needs_nothing_beyond_torch():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_the_nccl_backend_touches_no_device_until_its_first_device_collective():
+    """Where CuPy and NCCL are installed but no CUDA driver is (any CUDA call fails here),
+    building the backend, reducing host buffers over MPI and freeing it must still work: init
+    creates no stream, no communicator and no context (GPU 7 does not even exist)."""
+    nccl = pytest.importorskip("cupy.cuda.nccl", reason="cupy is not installed")
+    if not nccl.available:
+        pytest.skip("cupy finds no NCCL library")
+    from mpi4py import MPI
+
+    from hpc_horovod.backends.nccl import NcclBackend
+
+    backend = NcclBackend(MPI.COMM_SELF.Dup(), 7)
+    host = np.arange(4, dtype=np.float32)
+    backend.allreduce(host, Sum)
+    np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))
+    assert backend.device == 7
+    backend.free()

@@ -357,7 +357,10 @@ class GpuCheck:
         """(MiB, hvd seconds, raw NCCL seconds or None) per size: in-place float32 sums of the
         same buffer, back to back, ended by a device synchronization."""
         hvd, torch = self.hvd, self.torch
-        raw = self._raw_nccl()
+        try:
+            raw = self._raw_nccl()
+        except Exception:  # noqa: BLE001 - e.g. two ranks on one GPU: no raw NCCL to compare
+            raw = None
         comm, nccl = raw if raw is not None else (None, None)
         rows = []
         for mib in sizes_mib:
@@ -475,33 +478,43 @@ def gpu_report(sizes_mib=GPU_SIZES_MIB, iterations: int = 20) -> tuple[str, bool
     except Exception:  # noqa: BLE001 - the engine stopped: report this rank's own view
         failures = [failed_here]
     bandwidth = check.bandwidth(sizes_mib, iterations) if not any(failures) else []
-    ok = not any(failures)
-    size = check.size
+    text = gpu_table(gpu_versions(torch), check.size, basics.device_transport(),
+                     multi_rank_note(basics.nccl_built(), torch.cuda.device_count()),
+                     check.rows, failures, bandwidth)
+    hvd.shutdown()
+    return text, not any(failures), check.rank
+
+
+def gpu_table(versions, size: int, transport: str, note: str, rows, failures,
+              bandwidth) -> str:
+    """The table of ``check-build --gpu``: ``rows`` (name, passed, detail) of this rank,
+    ``failures[rank]`` (name, detail) of every rank, ``bandwidth`` (MiB, hvd seconds, raw NCCL
+    seconds or None)."""
     lines = ["hpc_horovod GPU check", ""]
-    for name, version in gpu_versions(torch):
+    for name, version in versions:
         lines.append(f"  {name:<8} {version}")
-    lines.append(f"  ranks    {size}, transport {basics.device_transport()}")
-    lines.append(f"  note     {multi_rank_note(basics.nccl_built(), torch.cuda.device_count())}")
+    lines.append(f"  ranks    {size}, transport {transport}")
+    lines.append(f"  note     {note}")
     lines += ["", f"  {'device op':<50} result"]
-    for name, passed, detail in check.rows:
+    for name, _, detail in rows:
         bad = [r for r, fails in enumerate(failures) if any(n == name for n, _ in fails)]
-        status = "PASS" if not bad else f"FAIL on rank(s) {', '.join(map(str, bad))}"
-        text = detail if passed else next(d for n, d in failures[bad[0]] if n == name)
-        lines.append(f"  {name:<50} {status}" + (f"  ({text})" if text else ""))
+        if bad:
+            status = f"FAIL on rank(s) {', '.join(map(str, bad))}"
+            detail = next(d for n, d in failures[bad[0]] if n == name)
+        else:
+            status = "PASS"
+        lines.append(f"  {name:<50} {status}" + (f"  ({detail})" if detail else ""))
     if bandwidth:
-        factor = 2 * (size - 1) / size
-        lines += ["", f"  {'allreduce float32':<18} {'hvd busbw':>12} {'NCCL busbw':>12} "
-                      f"{'hvd/NCCL':>9}   (algbw where one rank: GB/s)"]
+        factor = 2 * (size - 1) / size if size > 1 else 1.0
+        unit = "busbw" if size > 1 else "algbw"
+        lines += ["", f"  {'allreduce float32':<18} {'hvd ' + unit:>12} {'NCCL ' + unit:>12} "
+                      f"{'hvd/NCCL':>9}   (GB/s)"]
         for mib, hvd_s, raw_s in bandwidth:
             nbytes = mib << 20
-
-            def bw(seconds, nbytes=nbytes):
-                algbw = nbytes / seconds / 1e9
-                return algbw * factor if size > 1 else algbw
-
-            raw_text = f"{bw(raw_s):12.1f}" if raw_s else f"{'n/a':>12}"
+            hvd_bw = nbytes / hvd_s / 1e9 * factor
+            raw_text = f"{nbytes / raw_s / 1e9 * factor:12.1f}" if raw_s else f"{'n/a':>12}"
             ratio = f"{raw_s / hvd_s:9.2f}" if raw_s else f"{'':>9}"
-            lines.append(f"  {f'{mib} MiB':<18} {bw(hvd_s):12.1f} {raw_text} {ratio}")
+            lines.append(f"  {f'{mib} MiB':<18} {hvd_bw:12.1f} {raw_text} {ratio}")
+    ok = not any(failures)
     lines += ["", "  all device ops passed" if ok else "  SOME DEVICE OPS FAILED"]
-    hvd.shutdown()
-    return "\n".join(lines), ok, check.rank
+    return "\n".join(lines)

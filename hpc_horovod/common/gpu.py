@@ -515,6 +515,7 @@ def check_tensor_device(index: int, rank_device: int, op_name: str) -> None:
     if index != rank_device:
         raise ValueError(
             f"{op_name}: the tensor is on cuda:{index} but this rank's GPU is "
-            f"cuda:{rank_device}. Move it there (tensor.to('cuda:{rank_device}')) or use that "
-            f"GPU for the rank's work: `torch.cuda.set_device(hvd.local_rank())` (or "
-            f"hvd.pin_gpu()) at the start, and tensors on 'cuda'.")
+            f"cuda:{rank_device} (one process: the GPU of its first CUDA tensor). Move it "
+            f"there (tensor.to('cuda:{rank_device}')), or use that GPU for all of the rank's "
+            "tensors: `torch.cuda.set_device(hvd.local_rank())` (or hvd.pin_gpu()) at the "
+            "start, and tensors on 'cuda'.")

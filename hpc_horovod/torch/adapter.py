@@ -17,6 +17,8 @@ consumer's stream so that torch does not hand it out again before that stream is
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -58,14 +60,22 @@ def device_views(transport: str, dtype: torch.dtype) -> bool:
     return usable and (dtype != torch.bfloat16 or gpu.bfloat16_on_device())
 
 
-def rank_device() -> int | None:
-    """This rank's GPU: the NCCL backend's under NCCL; in one process torch's current device
-    (``torch.cuda.set_device``); None when GPU tensors go through host memory."""
+#: (engine, device) of one process: its GPU is the one of its first CUDA tensor
+_single_gpu: list = [None, None]
+
+
+def rank_device(index: int) -> int | None:
+    """This rank's GPU, for a CUDA tensor on GPU ``index``: the NCCL backend's under NCCL; in
+    one process the GPU of its first CUDA tensor since ``init`` (the engine runs one GPU's
+    tensors per group); None when GPU tensors go through host memory."""
     transport = basics.device_transport()
     if transport == "nccl":
         return basics.engine().backend.device
     if transport == "single":
-        return torch.cuda.current_device()
+        engine = basics.engine()
+        if _single_gpu[0] is None or _single_gpu[0]() is not engine:
+            _single_gpu[:] = [weakref.ref(engine), index]
+        return _single_gpu[1]
     return None
 
 
@@ -150,7 +160,7 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
                              f"out-of-place {op_name.rstrip('_')}")
         if tensor.is_cuda and device_views(basics.device_transport(), tensor.dtype):
             index = tensor.get_device()
-            device = rank_device()
+            device = rank_device(index)
             if device is not None:
                 gpu.check_tensor_device(index, device, op_name)
             with torch.cuda.device(index):  # see from_device

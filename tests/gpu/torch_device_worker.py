@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import hpc_horovod.torch as hvd  # noqa: E402
 from hpc_horovod.check_build import GpuCheck  # noqa: E402
 from hpc_horovod.common import basics  # noqa: E402
+from hpc_horovod.torch import adapter  # noqa: E402
 
 hvd.init()
 rank = hvd.rank()
@@ -67,7 +68,7 @@ if check.dev.type == "cuda":
         cuda.cuDeviceGet(ctypes.byref(handle), 0)
         cuda.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags), ctypes.byref(active))
         extra("no context on GPU 0", active.value == 0, "a context exists on GPU 0")
-    if torch.cuda.device_count() > 1 and transport == "nccl":
+    if torch.cuda.device_count() > 1 and adapter.device_views(transport, torch.float32):
         other = torch.device("cuda", (check.dev.index + 1) % torch.cuda.device_count())
         try:
             hvd.allreduce(torch.ones(3, device=other))

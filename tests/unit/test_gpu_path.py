@@ -190,3 +190,50 @@ def test_the_nccl_backend_touches_no_device_until_its_first_device_collective():
     np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))
     assert backend.device == 7
     backend.free()
+
+
+def test_the_unpack_kernel_copies_every_segment_to_its_output(tmp_path):
+    """The source of the kernel that copies a reduced fusion buffer out (``fusion.py``),
+    compiled for the CPU by the C compiler, with loops over blocks and threads standing in for
+    the CUDA grid (a small grid, so that each thread strides over several elements). Checks
+    its indexing only: empty segments, a dropped output (a joined rank's share), the last
+    element. The CUDA build of the same source runs in tests/gpu."""
+    import shutil
+
+    from hpc_horovod.common.fusion import _UNPACK_ITEMS, _UNPACK_SOURCE
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    kernel = _UNPACK_SOURCE.replace("ITEM", _UNPACK_ITEMS[4]).replace('extern "C" ', "")
+    ends = [3, 3, 7, 8, 12]
+    harness = textwrap.dedent("""
+        #include <stdio.h>
+        struct dim { long long x; };
+        static struct dim blockIdx, threadIdx, blockDim = {3}, gridDim = {2};
+        #define __global__
+        %s
+        int main(void) {
+            long long ends[] = {%s};
+            unsigned int src[12], o0[3], o2[4], o3[1], o4[4], *outs[5] = {o0, 0, o2, o3, 0};
+            outs[4] = o4;
+            outs[3] = 0;  /* dropped */
+            for (int i = 0; i < 12; i++) src[i] = 100 + i;
+            for (blockIdx.x = 0; blockIdx.x < gridDim.x; blockIdx.x++)
+                for (threadIdx.x = 0; threadIdx.x < blockDim.x; threadIdx.x++)
+                    hpc_horovod_unpack(src, (unsigned int* const*)outs, ends, 5, 12);
+            for (int i = 0; i < 3; i++) printf("%%u ", o0[i]);
+            for (int i = 0; i < 4; i++) printf("%%u ", o2[i]);
+            for (int i = 0; i < 4; i++) printf("%%u ", o4[i]);
+            printf("\\n");
+            return 0;
+        }
+    """) % (kernel, ", ".join(map(str, ends)))
+    source = tmp_path / "unpack.c"
+    source.write_text(harness)
+    binary = tmp_path / "unpack"
+    subprocess.run([compiler, "-O1", "-o", str(binary), str(source)], check=True,
+                   capture_output=True, text=True)
+    out = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    expected = list(range(100, 103)) + list(range(103, 107)) + list(range(108, 112))
+    assert out.split() == [str(v) for v in expected]

@@ -509,6 +509,9 @@ def gpu_table(versions, size: int, transport: str, note: str, rows, failures,
         unit = "busbw" if size > 1 else "algbw"
         lines += ["", f"  {'allreduce float32':<18} {'hvd ' + unit:>12} {'NCCL ' + unit:>12} "
                       f"{'hvd/NCCL':>9}   (GB/s)"]
+        if transport == "single":
+            lines.append("  (one process: nothing crosses between GPUs; the rows show the cost "
+                         "per call)")
         for mib, hvd_s, raw_s in bandwidth:
             nbytes = mib << 20
             hvd_bw = nbytes / hvd_s / 1e9 * factor

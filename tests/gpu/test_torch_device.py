@@ -71,10 +71,12 @@ def test_one_nccl_rank(mpirun):
 @needs_mpirun
 @pytest.mark.mpi
 @pytest.mark.skipif(DEVICES < 2, reason="one rank per GPU: needs two GPUs or more")
-@pytest.mark.parametrize("where", [[], ["--no-set-device"]], ids=["set_device", "cuda_k"])
-def test_one_rank_per_gpu(mpirun, where):
+@pytest.mark.parametrize("where, env", [
+    ([], {}), (["--no-set-device"], {}), ([], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}),
+], ids=["set_device", "cuda_k", "hierarchical"])
+def test_one_rank_per_gpu(mpirun, where, env):
     ranks = min(DEVICES, 4)
-    _passed(mpirun(ranks, WORKER, "--expect", "nccl", *where, timeout=600), ranks)
+    _passed(mpirun(ranks, WORKER, "--expect", "nccl", *where, timeout=600, env=env), ranks)
 
 
 @needs_gpu

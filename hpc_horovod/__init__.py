@@ -29,6 +29,7 @@ from .common.basics import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    pin_gpu,
     rank,
     remove_process_set,
     rocm_built,
@@ -38,7 +39,7 @@ from .common.basics import (
     stop_timeline,
 )
 from .common.errors import HorovodInternalError, HostsUpdatedInterrupt, TopologyError
-from .common.gpu import GpuLayoutError, pin_gpu
+from .common.gpu import GpuLayoutError
 from .common.ops import (
     allgather,
     allgather_async,

@@ -132,30 +132,44 @@ def _check_srun_plugin(topo) -> None:
 
 
 def _nccl_backend(topo, mpi_comm, settings: Settings):
-    """NCCL for GPU buffers when CuPy, NCCL and a GPU for this rank exist; else None (GPU
-    tensors then travel through host memory over MPI, said once by rank 0)."""
+    """NCCL for GPU buffers when every rank has CuPy, NCCL and a GPU of its own; else None
+    (GPU tensors then travel through host memory over MPI, said once by rank 0). Collective:
+    NCCL needs every rank, so the ranks decide together, and whether two ranks of a node would
+    share a GPU is known only by comparing their GPUs (``gpu.shared_gpus``)."""
+    import socket
+
+    from ..common import gpu
+
+    count = 0
     try:
         import cupy
 
         count = int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # noqa: BLE001 - no cupy, no driver, no device: a CPU job
-        return None
-    if count == 0:
-        return None
-    from ..common.gpu import GpuLayoutError, choose_device_backend, select_gpu
+        pass
+    device = bus_id = warning = None
+    if count:
+        choice, warning = gpu.choose_device_backend()
+        if choice == gpu.NCCL:
+            device = gpu.select_gpu(topo.local_rank, topo.local_size, os.environ, count,
+                                    exclusive=False)
+            bus_id = gpu.device_bus_id(device)
+    ranks = mpi_comm.allgather((socket.gethostname(), bus_id, count, warning))
+    entries = [(host, bus) for host, bus, _, _ in ranks]
+    if all(bus is not None for _, bus in entries):
+        shared = gpu.shared_gpus(entries)
+        if not shared or gpu.multi_rank_gpu_allowed(gpu.nccl_built(), os.environ):
+            from .nccl import NcclBackend
 
-    choice, warning = choose_device_backend()
-    device = None
-    if choice == "nccl":
-        try:
-            device = select_gpu(topo.local_rank, topo.local_size, os.environ, count)
-        except GpuLayoutError as exc:
-            choice, warning = "mpi-staged", f"{exc} GPU tensors go through host memory (MPI)."
-    if warning and topo.rank == 0:
-        warnings.warn(warning, RuntimeWarning, stacklevel=3)
-    if choice != "nccl" or device is None:
-        return None
-    from .nccl import NcclBackend
-
-    node = topo.cross_rank if settings.hierarchical_allreduce else None
-    return NcclBackend(mpi_comm, device, node_id=node, shared_memory=settings.shared_memory)
+            node = topo.cross_rank if settings.hierarchical_allreduce else None
+            return NcclBackend(mpi_comm, device, node_id=node)
+        why = f"{gpu.sharing_message(shared, entries)} GPU tensors go through host memory (MPI)."
+    else:
+        why = next((f"rank {r}: {w}" for r, (_, _, _, w) in enumerate(ranks) if w), None)
+        if why is None and any(c for _, _, c, _ in ranks):
+            without = [r for r, (_, _, c, _) in enumerate(ranks) if not c]
+            why = (f"rank(s) {', '.join(map(str, without[:8]))} have no GPU, so GPU tensors "
+                   "do not use NCCL; they go through host memory over MPI.")
+    if why and topo.rank == 0:
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
+    return None

@@ -18,6 +18,8 @@ class Backend(Protocol):
     name: str
     rank: int
     size: int
+    #: the GPU whose device buffers this backend moves itself (NCCL); None for host backends
+    device: int | None = None
 
     # -- negotiation (host memory, small) --------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
@@ -53,7 +55,11 @@ class Backend(Protocol):
     def barrier(self) -> None:
         """Wait until every rank of the set arrives."""
 
-    # -- lifetime ----------------------------------------------------------------------------------
+    # -- health and lifetime -----------------------------------------------------------------------
+    def check_async_error(self) -> None:
+        """Raise when the backend saw an asynchronous failure (NCCL: a lost peer or link);
+        the host backends have none, and inherit this no-op."""
+
     def sub(self, ranks) -> Backend | None:
         """Collective over this set: a backend for ``ranks`` (None on a rank outside them)."""
 

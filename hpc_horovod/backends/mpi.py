@@ -139,12 +139,15 @@ class MpiBackend(Backend):
     # -- process sets ----------------------------------------------------------------------------
     def sub(self, ranks) -> MpiBackend | None:
         """Collective over this communicator: a backend for ``ranks`` (None on non-members)."""
+        comm = self._sub_comm(ranks)
+        return None if comm is None else MpiBackend(comm)
+
+    def _sub_comm(self, ranks) -> MPI.Comm | None:
+        """Collective: a communicator of ``ranks`` (None on non-members)."""
         group = self.comm.Get_group().Incl(list(ranks))
         comm = self.comm.Create_group(group)
         group.Free()
-        if comm == MPI.COMM_NULL:
-            return None
-        return MpiBackend(comm)
+        return None if comm == MPI.COMM_NULL else comm
 
     def free(self) -> None:
         """Release the communicator (local)."""

@@ -1,17 +1,18 @@
 """NCCL backend (``cupy.cuda.nccl``): device buffers on a dedicated CUDA stream.
 
-The interface is :class:`~hpc_horovod.backends.mpi.MpiBackend`'s: negotiation and every host
-(numpy) buffer go over the MPI communicator it wraps, device (cupy) buffers go over an NCCL
-communicator of the same ranks. That communicator is created at the first device collective from
-a unique id made on rank 0 and broadcast over MPI; the engine reaches that point in the same
-order on every rank, as ncclCommInitRank requires.
+:class:`NcclBackend` is an :class:`~hpc_horovod.backends.mpi.MpiBackend` whose data methods take
+device (cupy) buffers too: negotiation and every host (numpy) buffer go over its MPI
+communicator, device buffers over an NCCL communicator of the same ranks. That communicator is
+created at the first device collective from a unique id made on rank 0 and broadcast over MPI;
+the engine reaches that point in the same order on every rank, as ncclCommInitRank requires.
 
-Ordering: all device work runs on the backend's non-blocking stream. The caller records
-:func:`ready_event` on the producer's stream when it submits a tensor, the engine makes the
-backend stream wait for it (:meth:`NcclBackend.wait_for`), and after the collective the consumer's
-stream waits for :meth:`NcclBackend.done_event` (:func:`stream_wait`): no device-wide sync.
+Ordering: all device work runs on the device's non-blocking stream (``common/gpu.py``'s
+:class:`~hpc_horovod.common.gpu.DeviceStream`, one per GPU and process). The binding records an
+event on the producer's stream when it submits a tensor, the engine makes the stream wait for it
+(:meth:`NcclBackend.wait_for`), and after the collective the consumer's stream waits for
+:meth:`NcclBackend.done_event`: no host or device-wide synchronization.
 
-The module imports without CuPy; only :class:`NcclBackend` and the event helpers need it.
+The module imports without CuPy; only :class:`NcclBackend` needs it.
 """
 
 from __future__ import annotations
@@ -19,19 +20,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from ..common.errors import HorovodInternalError
-from ..common.gpu import array_module
-from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
-from .mpi import MpiBackend
+from ..common.gpu import (
+    DeviceStream,
+    array_module,
+    cuda_runtime_version,
+    device_stream,
+    nccl_package,
+    pin_thread,
+)
+from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum, bfloat16
+from .mpi import MpiBackend, _wraps_badly
 
 log = logging.getLogger("hpc_horovod")
 
 NCCL_UNIQUE_ID_BYTES = 128
+#: How long :meth:`NcclBackend.free_device` waits for the stream before aborting NCCL.
+DRAIN_TIMEOUT_S = 60.0
 _UNSIGNED_CHAR_MACHINES = ("aarch64", "arm64", "ppc64le", "ppc64", "s390x")
 
 
@@ -75,18 +86,29 @@ _NETWORK_HINT = ("If ranks on different nodes cannot connect, set NCCL_SOCKET_IF
                  "interface the nodes reach each other on (e.g. ib0 or eth0, see `ip addr`), "
                  "and NCCL_IB_DISABLE=1 when InfiniBand is absent or misconfigured.")
 _HINTS = {
-    1: ("A CUDA call inside NCCL failed: most often two ranks share one GPU (give each rank its "
-        "own: hvd.local_rank() % GPUs, `srun --gpus-per-task=1` or `--ntasks-per-node` = GPUs "
-        "per node) or the GPU ran out of memory."),
-    4: "The ranks called NCCL with different arguments: a bug, please report it.",
-    5: ("The ranks called NCCL in different orders or with different sizes: a bug, please "
-        "report it."),
+    # ncclUnhandledCudaError
+    1: ("A CUDA call inside NCCL failed: most often the GPU ran out of memory, or the CUDA "
+        "driver is older than the CUDA that CuPy and NCCL were built for (compare "
+        "`nvidia-smi` with the cupy-cuda12x/13x and nvidia-nccl-cu12/cu13 packages)."),
+    # ncclSystemError
+    2: ("A system call inside NCCL failed (sockets, shared memory, /dev/shm too small in a "
+        "container). " + _NETWORK_HINT),
+    # ncclInvalidArgument
+    4: "The ranks called NCCL with invalid arguments: a bug, please report it.",
+    # ncclInvalidUsage
+    5: ("NCCL refused how it is used: most often two ranks use one GPU (\"Duplicate GPU "
+        "detected\"). Give each rank its own: one rank per GPU (`--ntasks-per-node` = GPUs per "
+        "node, or `srun --gpus-per-task=1`), a different CUDA_VISIBLE_DEVICES per rank when a "
+        "launcher sets it, or NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1. Otherwise the ranks "
+        "called NCCL in different orders: a bug, please report it."),
+    # ncclRemoteError
+    6: "A peer rank failed or a network link went down. " + _NETWORK_HINT,
 }
 
 
 def nccl_error(exc: BaseException, activity: str) -> HorovodInternalError:
     """The HorovodInternalError for an NCCL failure (``cupy.cuda.nccl.NcclError``), with the
-    usual fixes for its status."""
+    usual fixes for its status (ncclResult_t)."""
     hint = _HINTS.get(getattr(exc, "status", None), _NETWORK_HINT)
     return HorovodInternalError(f"NCCL {activity} failed: {exc}. {hint} Rerun with "
                                 "NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to see why.")
@@ -121,8 +143,8 @@ class ReductionPlan(NamedTuple):
 _NCCL_TYPES = {np.dtype(k): v for k, v in (
     (np.int8, "NCCL_INT8"), (np.uint8, "NCCL_UINT8"), (np.int32, "NCCL_INT32"),
     (np.uint32, "NCCL_UINT32"), (np.int64, "NCCL_INT64"), (np.uint64, "NCCL_UINT64"),
-    (np.float16, "NCCL_FLOAT16"), (np.float32, "NCCL_FLOAT32"), (np.float64, "NCCL_FLOAT64"),
-    (np.bool_, "NCCL_UINT8"))}
+    (np.float16, "NCCL_FLOAT16"), (bfloat16, "NCCL_BFLOAT16"), (np.float32, "NCCL_FLOAT32"),
+    (np.float64, "NCCL_FLOAT64"), (np.bool_, "NCCL_UINT8"))}
 # Widening is exact: sums and products wrap the same way modulo 2**16 in 32 bits.
 _STAGED = {np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.int32)}
 _NCCL_OPS = {Sum: "NCCL_SUM", Product: "NCCL_PROD", Min: "NCCL_MIN", Max: "NCCL_MAX"}
@@ -141,8 +163,7 @@ def reduction_plan(dtype, op: int) -> ReductionPlan:
         return ReductionPlan(_NCCL_TYPES[_STAGED[dtype]], _NCCL_OPS[op], _STAGED[dtype])
     if dtype not in _NCCL_TYPES:
         names = ", ".join(sorted({str(d) for d in (*_NCCL_TYPES, *_STAGED)}))
-        raise TypeError(f"NCCL cannot reduce {dtype} tensors (CuPy has no bfloat16: reduce it "
-                        f"in float32); supported: {names}")
+        raise TypeError(f"NCCL cannot reduce {dtype} tensors; supported: {names}")
     return ReductionPlan(_NCCL_TYPES[dtype], _NCCL_OPS[op], None)
 
 
@@ -208,10 +229,24 @@ def node_comms(comm, node_id: int):
     return local, cross
 
 
+def mpi_wire_dtype(dtype, op: int) -> np.dtype:
+    """The dtype a shard crosses nodes in over MPI: float32 for half floats (MPI reduces no
+    16-bit float without the native extension; the extra precision is rounded away on the way
+    back), int64 for the 8/16-bit integer sums and products that Open MPI's vector reductions
+    saturate instead of wrapping (see ``backends/mpi.py``), else its own."""
+    dtype = np.dtype(dtype)
+    if dtype in HALF_DTYPES:
+        return np.dtype(np.float32)
+    if _wraps_badly(dtype, op):
+        return np.dtype(np.int64)
+    return dtype
+
+
 class CrossAllreduce:
     """Allreduce of one shard across nodes over MPI: in place on the device when MPI is
-    CUDA-aware, else through a pinned host buffer. Half floats go through float32, which MPI
-    reduces natively; the extra precision is rounded away on the way back."""
+    CUDA-aware, else through a pinned host buffer. The shard is widened first
+    (:func:`mpi_wire_dtype`), on the stream, so that MPI, which knows no streams, only reads a
+    buffer whose every kernel has finished."""
 
     def __init__(self, cross: MpiBackend, stream=None, staged: bool = False):
         self.cross = cross
@@ -226,7 +261,8 @@ class CrossAllreduce:
         return cupyx.empty_pinned(count, dtype)
 
     def __call__(self, shard, op: int) -> None:
-        wide = shard.astype(np.float32) if shard.dtype in HALF_DTYPES else shard
+        wire = mpi_wire_dtype(shard.dtype, op)
+        wide = shard.astype(wire) if wire != shard.dtype else shard
         if self.stream is None:  # host memory
             self.cross.allreduce(wide, op)
         elif self.staged:
@@ -235,7 +271,7 @@ class CrossAllreduce:
             self.cross.allreduce(host, op)
             wide.set(host, stream=self.stream)
         else:
-            self.stream.synchronize()  # MPI knows no streams: the shard must be final
+            self.stream.synchronize()  # every kernel writing ``wide`` (the widening too) done
             self.cross.allreduce(wide, op)
         if wide is not shard:
             array_module(shard).copyto(shard, wide, casting="unsafe")
@@ -276,24 +312,6 @@ class HierarchicalAllreduce:
             flat[...] = work[:n]
 
 
-# -- stream ordering -------------------------------------------------------------------------------
-def ready_event(stream_ptr: int):
-    """Record, on the producer's stream, the point where a submitted tensor is ready. Call it
-    when submitting (torch: ``torch.cuda.current_stream().cuda_stream``)."""
-    import cupy
-
-    event = cupy.cuda.Event(disable_timing=True)
-    cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
-    return event
-
-
-def stream_wait(stream_ptr: int, event) -> None:
-    """Make the consumer's stream wait for ``event`` (no host or device-wide sync)."""
-    import cupy
-
-    cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
-
-
 def _ptr(array) -> int:
     return array.data.ptr
 
@@ -304,87 +322,45 @@ def _device_array(array) -> None:
 
 
 # -- the backend -----------------------------------------------------------------------------------
-class NcclBackend:
-    """A process set's communicators: MPI for negotiation and host buffers, NCCL for device
-    buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce;
+class NcclBackend(MpiBackend):
+    """A process set's communicators: MPI for negotiation and host buffers (inherited), NCCL
+    for device buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce;
     ``cuda_aware_mpi`` lets its inter-node step hand device pointers to MPI."""
 
     name = "nccl"
 
     def __init__(self, mpi_comm, device: int, *, node_id: int | None = None,
-                 cuda_aware_mpi: bool = False, stream=None, shared_memory: bool = True):
+                 cuda_aware_mpi: bool = False):
         import cupy
         from cupy.cuda import nccl
 
         if not getattr(nccl, "available", False):
-            raise RuntimeError("CuPy was built without NCCL or cannot load it: "
-                               "`pip install nvidia-nccl-cu12` (or load the cluster's NCCL)")
+            raise RuntimeError("CuPy was built without NCCL or cannot load it: `pip install "
+                               f"{nccl_package(cuda_runtime_version())}` (or load the "
+                               "cluster's NCCL)")
+        super().__init__(mpi_comm)
         self._cupy, self._nccl = cupy, nccl
-        self.mpi = MpiBackend(mpi_comm, shared_memory)
-        self.rank, self.size = self.mpi.rank, self.mpi.size
         self.device = int(device)
         self.node_id = node_id
         self.cuda_aware_mpi = cuda_aware_mpi
-        with cupy.cuda.Device(self.device):
-            self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        # Nothing touches the device here (init runs on the caller's thread, which may have no
+        # context on it yet): the stream, the communicator and the buffers come with the first
+        # device collective, on the thread that runs it, pinned to the device.
+        self._device: DeviceStream = device_stream(self.device)
         self.fusion = FusionBuffers(self._allocate)
-        self._comm = None
+        self._nccl_comm = None
         self._hierarchy: HierarchicalAllreduce | None = None
 
-    # -- negotiation and host buffers: MPI ---------------------------------------------------------
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
-        self.mpi.negotiate(words, timeout_s)
-
-    def allgather_object(self, obj):
-        return self.mpi.allgather_object(obj)
-
-    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
-        return self.mpi.allgather_ints(values)
-
-    def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
-        return self.mpi.alltoall_ints(values)
-
-    def barrier(self) -> None:
-        self.mpi.barrier()
-
-    @property
-    def fusion_capacity(self) -> int | None:
-        return self.mpi.fusion_capacity
-
-    def staging(self, count: int, dtype: np.dtype) -> np.ndarray | None:
-        return self.mpi.staging(count, dtype)
-
-    def reduce_staged(self, staged: np.ndarray, op: int) -> np.ndarray:
-        return self.mpi.reduce_staged(staged, op)
-
-    @property
-    def window(self):
-        return self.mpi.window
-
-    def sums_in_window(self, dtype: np.dtype) -> bool:
-        return self.mpi.sums_in_window(dtype)
-
-    def sum_in_window(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
-                      dtype: np.dtype, factor: float) -> None:
-        self.mpi.sum_in_window(inputs, outputs, dtype, factor)
-
-    def reduces_through_peers(self, dtype: np.dtype) -> bool:
-        return self.mpi.reduces_through_peers(dtype)
-
-    def reduce_through_peers(self, inputs: list[np.ndarray], outputs: list[np.ndarray],
-                             dtype: np.dtype, factor: float) -> None:
-        self.mpi.reduce_through_peers(inputs, outputs, dtype, factor)
-
-    def release_shared_memory(self) -> None:
-        self.mpi.release_shared_memory()
-
     # -- stream and memory -------------------------------------------------------------------------
-    @contextlib.contextmanager
+    @property
+    def stream(self):
+        """The device's stream that every device collective of this process runs on."""
+        return self._device.stream
+
     def activate(self):
         """This backend's device and stream as current: cupy work inside (packing the fusion
         buffer, scaling, unpacking) is ordered with the collectives."""
-        with self._cupy.cuda.Device(self.device), self.stream:
-            yield
+        return self._device.activate()
 
     def _allocate(self, count: int, dtype: np.dtype):
         with self.activate():
@@ -395,21 +371,18 @@ class NcclBackend:
         return self.fusion.get(dtype, count)
 
     def wait_for(self, event) -> None:
-        """Order this backend's stream after ``event`` (a :func:`ready_event`)."""
-        self.stream.wait_event(event)
+        """Order this backend's stream after ``event``, recorded on a producer's stream."""
+        self._device.wait_for(event)
 
     def done_event(self):
-        """An event the consumer's stream waits on (:func:`stream_wait`) to see the results."""
-        with self._cupy.cuda.Device(self.device):
-            event = self._cupy.cuda.Event(disable_timing=True)
-            event.record(self.stream)
-        return event
+        """An event the consumer's stream waits on to see the results."""
+        return self._device.done_event()
 
     # -- communicators -----------------------------------------------------------------------------
     def _communicator(self):
-        if self._comm is None:
-            self._comm = self._create_communicator()
-        return self._comm
+        if self._nccl_comm is None:
+            self._nccl_comm = self._create_communicator()
+        return self._nccl_comm
 
     def _create_communicator(self):
         """ncclCommInitRank over this set: rank 0 makes the id, MPI carries it (or rank 0's
@@ -421,26 +394,27 @@ class NcclBackend:
                 payload = ("id", serialize_unique_id(nccl.get_unique_id()))
             except Exception as exc:  # any failure must reach the ranks waiting in bcast
                 payload = ("error", str(nccl_error(exc, "ncclGetUniqueId")))
-        kind, data = self.mpi.comm.bcast(payload, root=0)
+        kind, data = self.comm.bcast(payload, root=0)
         if kind == "error":
             raise HorovodInternalError(f"rank 0: {data}")
         unique_id = deserialize_unique_id(
             data, unique_id_form(self._cupy.__version__, platform.machine()))
-        with self._cupy.cuda.Device(self.device), _nccl_errors(nccl, "ncclCommInitRank"):
+        pin_thread(self.device)
+        with _nccl_errors(nccl, "ncclCommInitRank"):
             return nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
     def _hierarchical(self) -> HierarchicalAllreduce | None:
         if self.node_id is None:
             return None
         if self._hierarchy is None:
-            comms = node_comms(self.mpi.comm, self.node_id)
+            comms = node_comms(self.comm, self.node_id)
             if comms is None:
                 if self.rank == 0:
                     log.warning("HOROVOD_HIERARCHICAL_ALLREDUCE=1 needs the same number of "
                                 "ranks on every node; using a flat NCCL allreduce instead")
                 self.node_id = None
                 return None
-            local = NcclBackend(comms[0], self.device, stream=self.stream)
+            local = NcclBackend(comms[0], self.device)
             cross = CrossAllreduce(MpiBackend(comms[1]), self.stream,
                                    staged=not self.cuda_aware_mpi)
             self._hierarchy = HierarchicalAllreduce(local, cross)
@@ -454,7 +428,7 @@ class NcclBackend:
     def allreduce(self, buf, op: int) -> None:
         """In-place reduction of ``buf`` over the set."""
         if isinstance(buf, np.ndarray):
-            return self.mpi.allreduce(buf, op)
+            return super().allreduce(buf, op)
         _device_array(buf)
         plan = reduction_plan(buf.dtype, op)
         if buf.size == 0:
@@ -478,7 +452,7 @@ class NcclBackend:
     def allgatherv(self, send, recv, counts) -> None:
         """Rank r's ``counts[r]`` elements, laid end to end in ``recv`` on every rank."""
         if isinstance(send, np.ndarray):
-            return self.mpi.allgatherv(send, recv, counts)
+            return super().allgatherv(send, recv, counts)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -502,7 +476,7 @@ class NcclBackend:
     def bcast(self, buf, root: int) -> None:
         """Rank ``root``'s ``buf`` on every rank, in place."""
         if isinstance(buf, np.ndarray):
-            return self.mpi.bcast(buf, root)
+            return super().bcast(buf, root)
         _device_array(buf)
         if buf.nbytes == 0:
             return None
@@ -516,7 +490,7 @@ class NcclBackend:
     def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
         """Rank i sends ``send_counts[j]`` elements to rank j, grouped send/recv pairs."""
         if isinstance(send, np.ndarray):
-            return self.mpi.alltoallv(send, send_counts, recv, recv_counts)
+            return super().alltoallv(send, send_counts, recv, recv_counts)
         _device_array(send)
         _device_array(recv)
         item = send.dtype.itemsize
@@ -535,7 +509,7 @@ class NcclBackend:
     def reduce_scatter(self, send, recv, counts, op: int) -> None:
         """Reduce ``send`` over the set; this rank keeps its ``counts[rank]`` elements."""
         if isinstance(send, np.ndarray):
-            return self.mpi.reduce_scatter(send, recv, counts, op)
+            return super().reduce_scatter(send, recv, counts, op)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -564,33 +538,58 @@ class NcclBackend:
     # -- health and lifetime -----------------------------------------------------------------------
     def check_async_error(self) -> None:
         """Raise if NCCL saw an asynchronous failure (a peer or a link lost); cheap to poll."""
-        if self._comm is not None:
+        if self._nccl_comm is not None:
             with _nccl_errors(self._nccl, "communication"):
-                self._comm.check_async_error()
+                self._nccl_comm.check_async_error()
 
     def sub(self, ranks) -> NcclBackend | None:
         """Collective over this set: a backend for ``ranks`` (None on non-members)."""
-        mpi_sub = self.mpi.sub(ranks)
-        if mpi_sub is None:
+        comm = self._sub_comm(ranks)
+        if comm is None:
             return None
-        return NcclBackend(mpi_sub.comm, self.device, node_id=self.node_id,
-                           cuda_aware_mpi=self.cuda_aware_mpi,
-                           shared_memory=self.mpi.shared_memory)
+        return NcclBackend(comm, self.device, node_id=self.node_id,
+                           cuda_aware_mpi=self.cuda_aware_mpi)
 
-    def free_device(self) -> None:
-        """Destroy the NCCL communicators and drop the device buffers, once the stream has
-        drained; the MPI communicator stays (set 0's belongs to ``init``)."""
-        self.stream.synchronize()
+    def free_device(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Destroy the NCCL communicators and drop the device buffers once the stream has
+        drained; the MPI communicator stays (set 0's belongs to ``init``). When the stream does
+        not drain (a peer died inside a collective, NCCL reports an asynchronous error, or
+        ``timeout_s`` passes) the communicators are aborted instead, which ends their kernels:
+        neither this call nor the framework's later waits on the stream hang."""
+        drained = self._drain(timeout_s)
         if self._hierarchy is not None:
-            self._hierarchy.local.free()
+            self._hierarchy.local.free_device(timeout_s if drained else 0.0)
+            MpiBackend.free(self._hierarchy.local)
             self._hierarchy.cross_allreduce.cross.free()
             self._hierarchy = None
-        if self._comm is not None:
-            self._comm.destroy()
-            self._comm = None
+        if self._nccl_comm is not None:
+            comm, self._nccl_comm = self._nccl_comm, None
+            if drained:
+                comm.destroy()
+            else:
+                log.warning("NCCL work did not finish (rank %d): aborting the communicator",
+                            self.rank)
+                comm.abort()
         self.fusion.clear()
+
+    def _drain(self, timeout_s: float) -> bool:
+        """Wait for the stream to finish; False when it did not (see :meth:`free_device`)."""
+        if self._device._stream is None:  # no device work ever ran
+            return True
+        pin_thread(self.device)  # this thread may not have run any device work yet
+        deadline = time.monotonic() + timeout_s
+        while not self.stream.done:
+            try:
+                self.check_async_error()
+            except HorovodInternalError as exc:
+                log.warning("%s", exc)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def free(self) -> None:
         """Everything :meth:`free_device` frees, and the MPI communicator (as MpiBackend)."""
         self.free_device()
-        self.mpi.free()
+        super().free()

@@ -4,6 +4,7 @@ the process's one :class:`Runtime`."""
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 import threading
@@ -12,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..backends import compose
+from . import gpu
 from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
 from .errors import NOT_INITIALIZED, HorovodInternalError
+from .gpu import cuda_built, nccl_built  # noqa: F401 - part of the API
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -321,28 +324,6 @@ def mpi_built() -> bool:
     return True
 
 
-def nccl_built() -> int:
-    """The NCCL version as an integer (e.g. 22703), 0 when cupy's NCCL is not available."""
-    try:
-        from cupy.cuda import nccl
-    except Exception:  # noqa: BLE001 - cupy raises various errors without a driver
-        return 0
-    if not getattr(nccl, "available", False):
-        return 0
-    try:
-        return int(nccl.get_version())
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def cuda_built() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
 def gloo_built() -> bool:
     return False
 
@@ -424,3 +405,38 @@ def stop_timeline() -> None:
     timeline, runtime.engine.timeline = runtime.engine.timeline, None
     if timeline is not None:
         timeline.close()
+
+
+def pin_gpu(framework: str | None = None, *, exclusive: bool = True) -> int | None:
+    """Make this rank use its own GPU; returns the device index, or None on a CPU-only rank.
+
+    ``framework``: "torch" (``torch.cuda.set_device``), "cupy" (``cupy.cuda.Device(d).use()``)
+    or "tensorflow" (``tf.config.set_visible_devices``); None pins every one of them that is
+    already imported. Call it after ``hvd.init()``.
+    """
+    if framework not in (None, "torch", "cupy", "tensorflow"):
+        raise ValueError(f"pin_gpu: unknown framework {framework!r}; use 'torch', 'cupy', "
+                         "'tensorflow' or None")
+    if framework is not None:
+        importlib.import_module(framework)
+    env = os.environ
+    runtime = None if "CUDA_VISIBLE_DEVICES" in env else gpu.runtime_count(framework)
+    device = gpu.select_gpu(local_rank(), local_size(), env, runtime,
+                        exclusive=exclusive)
+    if device is None:
+        return None
+    loaded = [name for name in ("torch", "cupy", "tensorflow")
+              if (framework in (None, name)) and name in sys.modules]
+    for name in loaded:
+        module = sys.modules[name]
+        if name == "torch":
+            module.cuda.set_device(device)
+        elif name == "cupy":
+            module.cuda.Device(device).use()
+        else:
+            gpus = module.config.list_physical_devices("GPU")
+            module.config.set_visible_devices(gpus[device], "GPU")
+    return device
+
+
+# -- device transport selection -----------------------------------------------------------------

@@ -106,11 +106,12 @@ def reducescatter_one(backend, sig: Signature, req: Request) -> None:
 def adasum_one(backend, sig: Signature, req: Request | None) -> None:
     """Adasum (Maleki et al.): pairwise combination ``(1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b``
     applied as a binary tree over ranks in order, computed identically on every rank from the
-    gathered vectors (in float64)."""
+    gathered vectors (in float64). Device tensors are staged through host memory
+    (:func:`adasum_host_input`): the combination is numpy code, and the gather then goes over
+    MPI with the host buffers on both sides."""
     dtype = np.dtype(sig.dtype)
     n = math.prod(sig.shape)
-    local = (req.tensor.reshape(-1).astype(np.float64) * sig.prescale if req is not None
-             else np.zeros(n))
+    local = adasum_host_input(req.tensor if req is not None else None, n, sig.prescale)
     gathered = np.empty(n * backend.size, dtype=np.float64)
     backend.allgatherv(local, gathered, [n] * backend.size)
     vectors = list(gathered.reshape(backend.size, n))
@@ -121,10 +122,26 @@ def adasum_one(backend, sig: Signature, req: Request | None) -> None:
         vectors = paired
     if req is not None:
         result = (vectors[0] * sig.postscale).astype(dtype).reshape(sig.shape)
-        if req.output is not None:
+        if sig.device:  # back to the device, on the engine's stream
+            if req.output is not None:
+                req.output.set(result)
+                result = req.output
+            else:
+                result = array_module(sig).asarray(result)
+        elif req.output is not None:
             req.output[...] = result
             result = req.output
         req.result = result
+
+
+def adasum_host_input(tensor, n: int, prescale: float) -> np.ndarray:
+    """This rank's Adasum vector as a host float64 array: a device array is copied to the host
+    first (``get`` waits for the engine's stream, which has waited for the producer), a joined
+    rank contributes zeros."""
+    if tensor is None:
+        return np.zeros(n)
+    host = tensor if isinstance(tensor, np.ndarray) else tensor.get()
+    return host.reshape(-1).astype(np.float64) * prescale
 
 
 def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:

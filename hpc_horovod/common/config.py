@@ -43,7 +43,6 @@ class Settings:
     peer_timeout_s: float = 60.0
     dynamic_process_sets: bool = False
     hierarchical_allreduce: bool = False
-    shared_memory: bool = True
     log_level: str = "warning"
 
     @classmethod
@@ -66,6 +65,5 @@ class Settings:
             peer_timeout_s=_number(env, "HOROVOD_PEER_TIMEOUT_SECONDS", cls.peer_timeout_s),
             dynamic_process_sets=_flag(env, "HOROVOD_DYNAMIC_PROCESS_SETS"),
             hierarchical_allreduce=_flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE"),
-            shared_memory=not _flag(env, "HOROVOD_SHM_DISABLE"),
             log_level=env.get("HOROVOD_LOG_LEVEL", cls.log_level).lower(),
         )

@@ -24,7 +24,6 @@ every pending handle then raises it.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import logging
@@ -691,20 +690,24 @@ class Engine:
 
     @staticmethod
     def _on_device_stream(backend, group, fn):
-        """GPU groups run on the backend's stream, after the producers' ready events, and leave
-        a done event for the consumers: no host or device-wide synchronization."""
+        """GPU groups run on the device's stream (``gpu.DeviceStream``), in a thread pinned to
+        the device, after the producers' ready events, and leave a done event for the
+        consumers: no host or device-wide synchronization. NCCL's asynchronous errors (a lost
+        peer or link) surface here, before more work is queued behind a collective that will
+        never end."""
 
         def run() -> None:
-            activate = getattr(backend, "activate", contextlib.nullcontext)
-            with activate():
+            from .gpu import device_stream, group_device
+
+            backend.check_async_error()
+            stream = device_stream(group_device(backend, [r.tensor for r in group
+                                                          if r is not None]))
+            with stream.activate():
                 for req in group:
                     if req is not None and req.ready_event is not None:
-                        if hasattr(backend, "wait_for"):
-                            backend.wait_for(req.ready_event)
-                        else:
-                            req.ready_event.synchronize()
+                        stream.wait_for(req.ready_event)
                 fn()
-                done = backend.done_event() if hasattr(backend, "done_event") else None
+                done = stream.done_event()
             for req in group:
                 if req is not None:
                     req.done_event = done

@@ -187,27 +187,129 @@ class FusedAllreduce:
 
 
 def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre, post) -> None:
-    """The GPU version: the backend's reusable device fusion buffer, cupy kernels on the
-    backend's stream (the engine makes it current), results copied out of the buffer into
-    each request's output, since the buffer is reused by the next group."""
+    """The GPU version, on the device's stream (the engine makes it current), with as few
+    passes over device memory as each case allows:
+
+    - in place, a tensor alone or tensors laid end to end in one allocation (a bucket that is
+      already one flat tensor): reduced in their own memory, no copy at all;
+    - out of place: packed (and scaled) into one fresh buffer, which the results are views of;
+    - otherwise (in place and scattered, or a joined rank's zeros): packed into the backend's
+      reusable fusion buffer, and copied back into every output by one kernel.
+
+    Fresh arrays come from the framework's allocator while the engine runs device work
+    (``gpu.use_framework_memory``), so the results handed to it are its own memory."""
     import cupy
 
+    span = _device_span(reqs, fused.total, dtype)
+    if span is not None:
+        _scale_device(span, pre)
+        backend.allreduce(span, op)
+        _scale_device(span, post)
+        for req in reqs:
+            req.result = req.output
+        return
     total = fused.total
-    buf = (backend.fusion_buffer(dtype, total) if hasattr(backend, "fusion_buffer")
-           else cupy.empty(total, dtype=dtype))[:total]
+    as_views = all(req is not None and req.output is None for req in reqs)
+    if as_views:
+        buf = cupy.empty(total, dtype=dtype)
+    elif backend.device is not None:  # NCCL keeps one reusable buffer per dtype
+        buf = backend.fusion_buffer(dtype, total)[:total]
+    else:
+        buf = cupy.empty(total, dtype=dtype)
     parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
              for req, n in zip(reqs, fused.sizes)]
-    cupy.concatenate(parts, out=buf)
-    if pre != 1.0:
-        cupy.multiply(buf, pre, out=buf, casting="unsafe")
+    if len(parts) == 1 and pre != 1.0:  # copied and scaled in one pass
+        cupy.multiply(parts[0], pre, out=buf, casting="unsafe")
+    else:
+        if len(parts) == 1:
+            buf[...] = parts[0]
+        else:
+            cupy.concatenate(parts, out=buf)
+        _scale_device(buf, pre)
     backend.allreduce(buf, op)
-    if post != 1.0:
-        cupy.multiply(buf, post, out=buf, casting="unsafe")
-    for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
+    _scale_device(buf, post)
+    if as_views:
+        for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
+            req.result = buf[a:b].reshape(shape)
+        return
+    outs = []
+    for req, shape in zip(reqs, fused.shapes):
         if req is not None:
-            out = req.output if req.output is not None else cupy.empty(shape, dtype)
-            out.reshape(-1)[...] = buf[a:b]
-            req.result = out
+            req.result = req.output if req.output is not None else cupy.empty(shape, dtype)
+        outs.append(None if req is None else req.result)
+    _unpack_device(buf, outs, [b for _, b in fused.bounds])
+
+
+#: One kernel copies a reduced fusion buffer out into every output (instead of one copy kernel
+#: per tensor): thread i finds its segment by a binary search over the segments' ends.
+_UNPACK_SOURCE = r"""
+typedef ITEM T;
+extern "C" __global__ void hpc_horovod_unpack(const T* src, T* const* outs,
+                                              const long long* ends, int n, long long total) {
+    long long step = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += step) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {  /* the first segment that ends after i */
+            int mid = (lo + hi) >> 1;
+            if (i < ends[mid]) hi = mid; else lo = mid + 1;
+        }
+        T* out = outs[lo];
+        if (out != 0) out[i - (lo ? ends[lo - 1] : 0)] = src[i];
+    }
+}
+"""
+_UNPACK_ITEMS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+                 8: "unsigned long long"}
+_UNPACK_KERNELS: dict[int, object] = {}
+
+
+def _unpack_device(buf, outs: list, ends: list[int]) -> None:
+    """Copy segment k of ``buf`` (up to ``ends[k]``) into ``outs[k]`` (contiguous; None: drop
+    it), bit for bit, in one kernel on the current stream."""
+    import cupy
+
+    item = buf.dtype.itemsize
+    kernel = _UNPACK_KERNELS.get(item)
+    if kernel is None:
+        kernel = _UNPACK_KERNELS[item] = cupy.RawKernel(
+            _UNPACK_SOURCE.replace("ITEM", _UNPACK_ITEMS[item]), "hpc_horovod_unpack")
+    pointers = cupy.asarray(np.array([0 if out is None else out.data.ptr for out in outs],
+                                     dtype=np.uint64))
+    bounds = cupy.asarray(np.array(ends, dtype=np.int64))
+    total = int(buf.size)
+    threads = 256
+    blocks = max(1, min(-(-total // threads), 8192))
+    kernel((blocks,), (threads,), (buf, pointers, bounds, np.int32(len(outs)), np.int64(total)))
+
+
+def laid_end_to_end(addresses: list[int], nbytes: list[int]) -> bool:
+    """True when each buffer starts where the previous one ends: together they are one flat
+    buffer."""
+    return all(addresses[i] + nbytes[i] == addresses[i + 1] for i in range(len(addresses) - 1))
+
+
+def _device_span(reqs, total: int, dtype):
+    """One device array over the group's own memory, when every request is in place (its
+    output is its input) and the inputs are laid end to end; else None."""
+    if any(req is None or req.output is not req.tensor for req in reqs):
+        return None
+    first = reqs[0].tensor
+    if len(reqs) == 1:
+        return first.reshape(-1)
+    if not laid_end_to_end([req.tensor.data.ptr for req in reqs],
+                           [req.tensor.nbytes for req in reqs]):
+        return None
+    import cupy
+
+    return cupy.ndarray((total,), dtype=dtype, memptr=first.data)
+
+
+def _scale_device(buf, factor: float) -> None:
+    if factor != 1.0:
+        import cupy
+
+        cupy.multiply(buf, factor, out=buf, casting="unsafe")
 
 
 def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.dtype, op: int,

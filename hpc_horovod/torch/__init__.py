@@ -27,6 +27,7 @@ from ..common.basics import (
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    pin_gpu,
     rank,
     remove_process_set,
     rocm_built,
@@ -35,7 +36,7 @@ from ..common.basics import (
     stop_timeline,
 )
 from ..common.errors import HorovodInternalError, HostsUpdatedInterrupt
-from ..common.gpu import GpuLayoutError, pin_gpu
+from ..common.gpu import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 from .functions import (

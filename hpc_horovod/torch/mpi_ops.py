@@ -48,11 +48,13 @@ def shutdown() -> None:
 
 def _submit(requests: list) -> list[int]:
     """Hand requests to the engine. GPU requests carry an event recorded on torch's current
-    stream, so the engine's stream starts after the kernels that produced the tensors."""
-    if any(req.signature.device for req in requests):
-        from ..backends.nccl import ready_event
+    stream of their tensors' device (``adapter.ready_event``), so the engine's stream starts
+    after the kernels that produced the tensors."""
+    device = [req.tensor for req in requests if req.signature.device]
+    if device:
+        from .adapter import ready_event
 
-        event = ready_event(torch.cuda.current_stream().cuda_stream)
+        event = ready_event(device)
         for req in requests:
             req.ready_event = event
     return ops.submit(requests)
@@ -557,9 +559,9 @@ def synchronize(handle: int):
 
 def _result(req):
     if req.done_event is not None:  # GPU result: order torch's stream after the engine's
-        from ..backends.nccl import stream_wait
+        from .adapter import take_device_result
 
-        stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
+        take_device_result(req)
     return req.result
 
 

@@ -1,7 +1,8 @@
 """Every NCCL backend collective on device buffers, run on each rank (one GPU per rank).
 
-Inputs are made on the default stream and handed over with ready_event/wait_for, results are
-read after done_event/stream_wait, as the engine does: a missing ordering shows up as wrong data.
+Inputs are made on the default stream and handed over with an event and wait_for, results are
+read after the consumer's stream waited for done_event, as the engine does: a missing ordering
+shows up as wrong data.
 Usage: python nccl_device_worker.py (one rank) or mpirun -np N ... (N GPUs).
 """
 
@@ -11,10 +12,10 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
-from hpc_horovod.backends.nccl import NcclBackend, ready_event, stream_wait
+from hpc_horovod.backends.nccl import NcclBackend
 from hpc_horovod.common.errors import HorovodInternalError
-from hpc_horovod.common.gpu import cuda_aware_mpi
-from hpc_horovod.common.types import Max, Min, Product, Sum
+from hpc_horovod.common.gpu import bfloat16_on_device, cuda_aware_mpi
+from hpc_horovod.common.types import Max, Min, Product, Sum, bfloat16
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -25,15 +26,27 @@ FOLD = {Sum: np.add, Product: np.multiply, Min: np.minimum, Max: np.maximum}
 REDUCTIONS = [
     (np.float32, Sum), (np.float64, Product), (np.float16, Sum), (np.float16, Max),
     (np.int32, Sum), (np.int64, Min), (np.int16, Sum), (np.uint8, Max), (np.bool_, Min),
-    (np.bool_, Max),
-]
+    (np.bool_, Max), (np.int8, Sum), (np.uint8, Product),
+] + ([(bfloat16, Sum), (bfloat16, Min)] if bfloat16_on_device() else [])
+
+
+def ready_event(stream_ptr: int):
+    """An event at the current end of the producer's stream."""
+    event = cupy.cuda.Event(disable_timing=True)
+    cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
+    return event
+
+
+def stream_wait(stream_ptr: int, event) -> None:
+    """The consumer's stream waits for ``event``."""
+    cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
 
 
 def inputs(r: int, n: int, dtype) -> np.ndarray:
     rng = np.random.default_rng(1000 * r + n)
     if dtype == np.bool_:
         return rng.random(n) < 0.7
-    if np.dtype(dtype).kind == "f":
+    if np.dtype(dtype).kind == "f" or dtype == bfloat16:
         return (rng.standard_normal(n) + 1.5).astype(dtype)
     return rng.integers(0 if np.dtype(dtype).kind == "u" else -5, 6, n).astype(dtype)
 
@@ -56,9 +69,9 @@ def check_allreduce(backend: NcclBackend) -> None:
             backend.allreduce(buf, op)
             got = to_host(backend, buf)
             everyone = np.stack([inputs(r, n, dtype) for r in range(size)])
-            if np.dtype(dtype).kind == "f":
+            if np.dtype(dtype).kind == "f" or dtype == bfloat16:
                 expected = FOLD[op].reduce(everyone.astype(np.float64), axis=0)
-                tol = 1e-2 if dtype == np.float16 else 1e-6
+                tol = {np.dtype(np.float16): 1e-2, bfloat16: 3e-2}.get(np.dtype(dtype), 1e-6)
                 np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol, atol=tol)
             else:
                 with np.errstate(over="ignore"):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 import hpc_horovod as hvd
+from hpc_horovod.common.basics import pin_gpu
 from hpc_horovod.common.errors import TopologyError
 from hpc_horovod.common.gpu import (
     GpuLayoutError,
     gpus_requested,
     parse_visible_devices,
     per_task_binding,
-    pin_gpu,
     select_gpu,
     visible_device_count,
 )

@@ -20,7 +20,7 @@ from hpc_horovod.backends.nccl import (
     unique_id_form,
 )
 from hpc_horovod.common.errors import HorovodInternalError
-from hpc_horovod.common.types import Adasum, Average, Max, Min, Product, Sum
+from hpc_horovod.common.types import Adasum, Average, Max, Min, Product, Sum, bfloat16
 
 RAW = bytes(range(256))[:NCCL_UNIQUE_ID_BYTES - 3] + b"\x80\xfe\xff"
 
@@ -100,14 +100,22 @@ def test_network_failures_name_the_usual_fixes():
     assert "NCCL_SOCKET_IFNAME" in str(nccl_error(RuntimeError("no status"), "x"))
 
 
-def test_cuda_failures_point_at_gpu_sharing():
+def test_cuda_failures_point_at_memory_and_driver():
     text = str(nccl_error(_StatusError(1, "unhandled cuda error"), "ncclCommInitRank"))
-    assert "share one GPU" in text and "--gpus-per-task=1" in text
+    assert "out of memory" in text and "nvidia-smi" in text and "cu13" in text
     assert "NCCL_DEBUG=INFO" in text
 
 
-def test_usage_errors_are_reported_as_bugs():
-    assert "different orders" in str(nccl_error(_StatusError(5, "invalid usage"), "x"))
+def test_two_ranks_on_one_gpu_is_invalid_usage_with_the_fixes():
+    # NCCL <= 2.29 answers "Duplicate GPU detected" with ncclInvalidUsage (5)
+    text = str(nccl_error(_StatusError(5, "invalid usage"), "ncclCommInitRank"))
+    assert "Duplicate GPU" in text and "--gpus-per-task=1" in text
+    assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in text and "CUDA_VISIBLE_DEVICES" in text
+    assert "different orders" in text
+
+
+def test_invalid_arguments_are_reported_as_bugs():
+    assert "a bug" in str(nccl_error(_StatusError(4, "invalid argument"), "x"))
 
 
 def test_real_nccl_error_translates():
@@ -129,6 +137,8 @@ def test_real_nccl_error_translates():
     (np.bool_, Min, ("NCCL_UINT8", "NCCL_MIN", None)),
     (np.bool_, Max, ("NCCL_UINT8", "NCCL_MAX", None)),
     (np.int16, Sum, ("NCCL_INT32", "NCCL_SUM", np.dtype(np.int32))),
+    (bfloat16, Sum, ("NCCL_BFLOAT16", "NCCL_SUM", None)),
+    (bfloat16, Max, ("NCCL_BFLOAT16", "NCCL_MAX", None)),
 ])
 def test_reduction_plan(dtype, op, expected):
     assert tuple(reduction_plan(dtype, op)) == expected

@@ -18,7 +18,6 @@ def test_defaults_are_horovods():
     assert s.stall_shutdown_time_s == 0.0  # 0 = never shut down on a stall
     assert s.dynamic_process_sets is False
     assert s.hierarchical_allreduce is False
-    assert s.shared_memory is True
     assert s.log_level == "warning"
     assert s == Settings()
 
@@ -44,14 +43,13 @@ def test_every_variable_is_read():
         "HOROVOD_PEER_TIMEOUT_SECONDS": "120",
         "HOROVOD_DYNAMIC_PROCESS_SETS": "1",
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-        "HOROVOD_SHM_DISABLE": "1",
         "HOROVOD_LOG_LEVEL": "DEBUG",
     })
     assert s == Settings(
         fusion_threshold=0, cycle_time_ms=2.5, cache_capacity=0, timeline="/tmp/tl.json",
         timeline_mark_cycles=True, stall_check=False, stall_check_time_s=5.0,
         stall_shutdown_time_s=30.0, peer_timeout_s=120.0, dynamic_process_sets=True,
-        hierarchical_allreduce=True, shared_memory=False, log_level="debug",
+        hierarchical_allreduce=True, log_level="debug",
     )
 
 

@@ -73,7 +73,7 @@ def test_a_caller_keeps_yielding_only_so_long(monkeypatch):
     sleep = time.sleep
     monkeypatch.setattr(waiting.time, "sleep", lambda s: (sleeps.append(s), sleep(s)))
     with patience.waiting_caller:
-        waiting.RequestWaiter(2).wait(_LateRequest(0.01), 1.0, "a late peer")
+        waiting.RequestWaiter(2).wait(_LateRequest(0.1), 1.0, "a late peer")
     assert sleeps  # after 2 ms of yielding it sleeps, as the engine thread does
 
 

@@ -11,7 +11,8 @@ On the host, in the same processes:
 * 200 x 16 KiB float32 submitted asynchronously, then all synchronized (numpy and torch; gloo
   with 200 async ops), against one mpi4py ``Allreduce`` of the same bytes;
 * float16 at 16 MiB: ``hvd.allreduce`` with the native 16-bit MPI sum against the same values
-  widened to float32 around ``hvd.allreduce`` (what the package does without the native sum).
+  widened to float32 around ``hvd.allreduce`` (what the package does without the native sum),
+  and mpi4py ``Allreduce`` in place with the native sum.
 
 With ``--device cuda`` (one rank per GPU) the buffers are torch CUDA tensors of 1 MiB ..
 ``--max-bytes`` (default 1 GiB): ``hpc_horovod.torch.allreduce_`` against raw
@@ -209,12 +210,18 @@ class Host:
     def half(self, nbytes: int) -> dict[str, Case]:
         x = np.random.default_rng(self.comm.rank).standard_normal(nbytes // 2).astype(np.float16)
         refill = _refill([x], [x.copy()])
-        return {
+        cases = {
             "hvd.allreduce float16": (lambda: hvd.allreduce(x, op=hvd.Sum, name="half"), refill),
             "hvd.allreduce widened to float32": (
                 lambda: hvd.allreduce(x.astype(np.float32), op=hvd.Sum,
                                       name="half.wide").astype(np.float16), refill),
         }
+        if _native is not None and _native.has_half_sum():  # MPI's own call with the same op
+            op = MPI.Op.fromhandle(_native.half_sum_op("float16"))
+            cases["mpi4py Allreduce in place, native op"] = (
+                lambda: self.comm.Allreduce(MPI.IN_PLACE, [x.view(np.uint16), MPI.UINT16_T],
+                                            op=op), refill)
+        return cases
 
     def close(self) -> None:
         if self.dist is not None:

@@ -44,7 +44,8 @@ def run_lines(meta: dict) -> list[str]:
                          for k, v in meta["versions"].items()
                          if v is not None and k != "hpc_horovod from")
     lines = [f"- Run: {meta['date']} on `{meta['host']}`: {meta['cpu']}, {meta['cores']} cores, "
-             f"{meta['platform']}; load average at the start {meta['loadavg'][0]}",
+             f"{meta['platform']}" + (f", {meta['gpu']}" if "gpu" in meta else "")
+             + f"; load average at the start {meta['loadavg'][0]}",
              f"- Versions: {versions}; code at commit `{meta['commit']}`",
              f"- Command: `{meta['command']}`"]
     lines += [f"- Not measured: {what} ({why})" for what, why in meta.get("skipped", {}).items()]

@@ -33,8 +33,11 @@ test: venv
 lint: venv
 	$(PY) -m ruff check .
 
+# Results in benchmarks/results/ (committed), the report in benchmarks/RESULTS.md.
 bench: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/training.py --processes 2
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

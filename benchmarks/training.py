@@ -1,26 +1,34 @@
 """Training throughput and scaling: hpc_horovod (torch and TensorFlow) against torch
 DistributedDataParallel and, when it is importable, Horovod.
 
+    python benchmarks/training.py [--rounds 5] [--compare-with ../before]
+
 One run measures the same model (a small CNN, built in torch and in Keras with the same layers)
-on the same synthetic data with 1 and 2 processes, for:
+on the same synthetic data with 1 and ``--processes`` processes, for:
 
 * ``hpc_horovod.torch.DistributedOptimizer`` (launched with ``hpc-horovod run``);
+* with ``--compare-with DIR``, the same torch worker importing ``hpc_horovod`` from ``DIR``
+  (another checkout of this project with its native extension built in place, e.g. the code
+  before a change): a before/after comparison in one run;
 * ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step (same launcher);
-* torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
-* ``horovod.torch.DistributedOptimizer``, the same script as ours with ``horovod.torch`` in
-  place of ``hpc_horovod.torch``, when Horovod is importable (skipped, and said so, when not).
+* torch's ``DistributedDataParallel`` over gloo (the baseline; env:// rendezvous on 127.0.0.1);
+* ``horovod.torch.DistributedOptimizer`` when Horovod is importable (skipped, and said so, when
+  not).
 
-Every process uses one compute thread. The script prints images/s per process, in total, and
-the scaling efficiency (total with N processes / (N x one process)). Each configuration runs
-``--rounds`` times, interleaved with the others; the table shows the best round (the fairest
-number on a machine shared with other work) and the JSON keeps every round.
+It also times, in one process, a training step with ``DistributedOptimizer`` against the same
+step with the plain optimizer it wraps (two copies of one model, steps alternated), which
+shows what the wrapper costs when there is nothing to reduce.
 
-    python benchmarks/training.py            # table on stdout, JSON in benchmarks/out/
+Every process uses one compute thread. Each configuration runs ``--rounds`` times, interleaved
+with the others, so that load from elsewhere hits them alike; the ratios are taken round by
+round. Results go to ``benchmarks/results/training.json``; ``benchmarks/report.py`` turns them
+into ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -31,9 +39,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = Path(__file__).resolve().parent / "out"
-RESULT = re.compile(r"RESULT (\[[^\]]*\])")
+from machine import RESULTS, ROOT, command_line, describe
+
+RESULT = re.compile(r"RESULT (\{.*\})")
+BASELINE = "torch DDP (gloo)"
+OURS = "hpc_horovod.torch"
 
 
 # -- the workload (runs inside each worker process) --------------------------------------------
@@ -48,26 +58,35 @@ def build_model():
     )
 
 
-def measure(model, optimizer, batch_size: int, warmup: int, steps: int, rank: int) -> float:
-    """Images per second of this process over ``steps`` timed training steps."""
+def _batch(batch_size: int, rank: int):
     import torch
-    import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(rank)
-    data = torch.randn(batch_size, 3, 32, 32, generator=g)
-    target = torch.randint(0, 10, (batch_size,), generator=g)
+    return (torch.randn(batch_size, 3, 32, 32, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g))
 
-    def step():
-        optimizer.zero_grad()
-        F.cross_entropy(model(data), target).backward()
-        optimizer.step()
 
-    for _ in range(warmup):
-        step()
+def _step(model, optimizer, data, target) -> None:
+    import torch.nn.functional as F
+
+    optimizer.zero_grad()
+    F.cross_entropy(model(data), target).backward()
+    optimizer.step()
+
+
+def measure(model, optimizer, args, rank: int) -> float:
+    """Images per second of this process over ``args.steps`` timed training steps."""
+    data, target = _batch(args.batch_size, rank)
+    for _ in range(args.warmup):
+        _step(model, optimizer, data, target)
     start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return batch_size * steps / (time.perf_counter() - start)
+    for _ in range(args.steps):
+        _step(model, optimizer, data, target)
+    return args.batch_size * args.steps / (time.perf_counter() - start)
+
+
+def _report(**result) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def torch_worker(args, module: str) -> None:
@@ -85,10 +104,39 @@ def torch_worker(args, module: str) -> None:
                                                          momentum=0.9),
                                          named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rate = measure(model, optimizer, args.batch_size, args.warmup, args.steps, hvd.rank())
+    rate = measure(model, optimizer, args, hvd.rank())
     rates = hvd.allgather(torch.tensor([rate], dtype=torch.float64)).tolist()
     if hvd.rank() == 0:
-        print("RESULT " + json.dumps(rates), flush=True)
+        _report(rates=rates, module=hvd.__file__)
+    hvd.shutdown()
+
+
+def step_worker(args) -> None:
+    """One process: DistributedOptimizer's step against the plain optimizer's, alternated
+    step by step (which one goes first alternates too), on two copies of one model."""
+    import torch
+
+    import hpc_horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    plain_model = build_model()
+    wrapped_model = copy.deepcopy(plain_model)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+    wrapped = hvd.DistributedOptimizer(
+        torch.optim.SGD(wrapped_model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=wrapped_model.named_parameters())
+    data, target = _batch(args.batch_size, 0)
+    times = {"plain": [], "distributed": []}
+    pair = [("plain", plain_model, plain), ("distributed", wrapped_model, wrapped)]
+    for i in range(args.warmup + args.step_pairs):
+        for name, model, optimizer in (pair if i % 2 == 0 else pair[::-1]):
+            start = time.perf_counter()
+            _step(model, optimizer, data, target)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    _report(plain_s=times["plain"], distributed_s=times["distributed"], module=hvd.__file__)
     hvd.shutdown()
 
 
@@ -142,7 +190,7 @@ def tf_worker(args) -> None:
     rate = args.batch_size * args.steps / (time.perf_counter() - start)
     rates = hvd.allgather(tf.constant([rate], dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
-        print("RESULT " + json.dumps(rates), flush=True)
+        _report(rates=rates, module=hvd.__file__)
     hvd.shutdown()
 
 
@@ -157,11 +205,11 @@ def ddp_worker(args) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    rate = measure(model, optimizer, args.batch_size, args.warmup, args.steps, rank)
+    rate = measure(model, optimizer, args, rank)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, rate)
     if rank == 0:
-        print("RESULT " + json.dumps(rates), flush=True)
+        _report(rates=rates, module=torch.__file__)
     dist.destroy_process_group()
 
 
@@ -173,35 +221,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_args(args) -> list[str]:
+def _worker_args(args, worker: str) -> list[str]:
     return [str(Path(__file__).resolve()), "--batch-size", str(args.batch_size),
-            "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--step-pairs", str(args.step_pairs), "--worker", worker]
 
 
-def _env() -> dict:
+def _env(package_dir: Path = ROOT) -> dict:
+    """The workers' environment: ``hpc_horovod`` imported from ``package_dir``."""
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep +
-                env.get("PYTHONPATH", ""),
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                    [str(package_dir)] + [p for p in [env.get("PYTHONPATH")] if p]),
                 "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     return env
 
 
-def _result(stdout: str, what: str) -> list[float]:
+def _result(stdout: str, what: str) -> dict:
     match = RESULT.search(stdout)  # launchers may tag and interleave the workers' lines
     if match is None:
         raise RuntimeError(f"{what} printed no result:\n{stdout}")
     return json.loads(match.group(1))
 
 
-def _launched(worker: str):
-    """A runner starting ``--worker worker`` on n ranks with ``hpc-horovod run``."""
-    def run(args, n: int) -> list[float]:
+def _launched(worker: str, package_dir: Path = ROOT):
+    """A runner starting ``--worker worker`` on n ranks with ``hpc-horovod run``, importing
+    ``hpc_horovod`` (launcher included) from ``package_dir``."""
+    def run(args, n: int) -> dict:
         cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
-               *_worker_args(args), "--worker", worker]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+               *_worker_args(args, worker)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(package_dir),
+                              timeout=900)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-        return _result(proc.stdout, worker)
+        result = _result(proc.stdout, worker)
+        if worker != "horovod" and not Path(result["module"]).resolve().is_relative_to(package_dir):
+            raise RuntimeError(f"{worker} imported {result['module']}, not from {package_dir}")
+        return result
     return run
 
 
@@ -215,88 +270,118 @@ def _importable(module: str) -> str | None:
     return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
-def run_ddp(args, n: int) -> list[float]:
+def run_ddp(args, n: int) -> dict:
     env = _env()
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                 "WORLD_SIZE": str(n)})
-    procs = []
-    for rank in range(n):
-        procs.append(subprocess.Popen([sys.executable, *_worker_args(args), "--worker", "ddp"],
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=600) for p in procs]
-    rates = _result(outputs[0][0], "DDP")
+    procs = [subprocess.Popen([sys.executable, *_worker_args(args, "ddp")],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(n)]
+    outputs = [p.communicate(timeout=900) for p in procs]
+    result = _result(outputs[0][0], "DDP")
     for p, (_, err) in zip(procs, outputs):
         if p.returncode:  # after the measurement: report it, keep the numbers
             print(f"warning: a DDP worker exited with {p.returncode} after measuring: "
                   f"{err.strip()[-300:]}", file=sys.stderr)
-    return rates
+    return result
+
+
+def _package_dir(text: str) -> Path:
+    path = Path(text).resolve()
+    if not (path / "hpc_horovod" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no hpc_horovod/ package in this folder "
+                                         "(give the root of a checkout of this project)")
+    return path
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32, help="images per process")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    parser.add_argument("--step-pairs", type=int, default=100,
+                        help="alternated plain/DistributedOptimizer steps in one process")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=2, help="the scaled configuration")
+    parser.add_argument("--compare-with", type=_package_dir, metavar="DIR",
+                        help="also run the torch worker with hpc_horovod from DIR")
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip hpc_horovod.tensorflow")
-    parser.add_argument("--worker", choices=["hvd", "tf", "ddp", "horovod"],
+    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "horovod"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if min(args.batch_size, args.steps, args.step_pairs, args.rounds, args.processes) < 1:
+        parser.error("sizes and counts must be positive")
     workers = {"hvd": lambda: torch_worker(args, "hpc_horovod.torch"),
                "horovod": lambda: torch_worker(args, "horovod.torch"),
+               "step": lambda: step_worker(args),
                "tf": lambda: tf_worker(args), "ddp": lambda: ddp_worker(args)}
     if args.worker:
         return workers[args.worker]()
 
-    runners = {"hpc_horovod.torch": _launched("hvd")}
+    runners = {OURS: _launched("hvd")}
+    steppers = {OURS: _launched("step")}
+    if args.compare_with:
+        label = f"hpc_horovod ({args.compare_with})"
+        runners[label] = _launched("hvd", args.compare_with)
+        steppers[label] = _launched("step", args.compare_with)
     if not args.no_tensorflow:
         runners["hpc_horovod.tensorflow"] = _launched("tf")
-    runners["torch DDP (gloo)"] = run_ddp
+    runners[BASELINE] = run_ddp
     skipped = {}
     why = _importable("horovod.torch")
     if why is None:
         runners["horovod.torch"] = _launched("horovod")
     else:
         skipped["horovod.torch"] = why
-        print(f"horovod.torch skipped: {why}", file=sys.stderr)
-    totals: dict[tuple[str, int], list[float]] = {}
+    counts = sorted({1, args.processes})
+    totals: dict[str, dict[int, list[float]]] = {name: {n: [] for n in counts} for name in runners}
+    modules: dict[str, str] = {}
+    steps: dict[str, list[dict]] = {name: [] for name in steppers}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
-            for n in (1, args.processes):
-                total = sum(runner(args, n))
-                totals.setdefault((name, n), []).append(total)
-                print(f"round {round_ + 1}/{args.rounds}: {name:22s} {n} process(es): "
-                      f"{total:8.1f} img/s", file=sys.stderr, flush=True)
+            for n in counts:
+                result = runner(args, n)
+                totals[name][n].append(sum(result["rates"]))
+                modules[name] = result["module"]
+                print(f"round {round_ + 1}/{args.rounds}: {name:24s} {n} process(es): "
+                      f"{totals[name][n][-1]:8.1f} img/s", file=sys.stderr, flush=True)
+        for name, stepper in steppers.items():
+            result = stepper(args, 1)
+            plain, wrapped = (statistics.median(result[k]) for k in ("plain_s", "distributed_s"))
+            steps[name].append({"plain_median_s": plain, "distributed_median_s": wrapped,
+                                "ratio": wrapped / plain})
+            print(f"round {round_ + 1}/{args.rounds}: {name:24s} one-process step: "
+                  f"DistributedOptimizer {wrapped * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms, "
+                  f"x{wrapped / plain:.3f}", file=sys.stderr, flush=True)
 
-    rows = []
-    for name in runners:
-        single = max(totals[(name, 1)])
-        for n in (1, args.processes):
-            best = max(totals[(name, n)])
-            rows.append({"framework": name, "processes": n,
-                         "img_per_sec_per_process": best / n, "img_per_sec_total": best,
-                         "median_img_per_sec_total": statistics.median(totals[(name, n)]),
-                         "scaling_efficiency": best / (n * single),
-                         "rounds_img_per_sec_total": totals[(name, n)]})
-    header = f"{'framework':22s} {'procs':>5s} {'img/s/proc':>11s} {'img/s total':>12s} " \
-             f"{'(median)':>9s} {'efficiency':>10s}"
-    print(f"model: small CNN, batch {args.batch_size}/process, 3x32x32 images, 1 thread per "
-          f"process, {os.cpu_count()} cores")
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(f"{row['framework']:22s} {row['processes']:5d} "
-              f"{row['img_per_sec_per_process']:11.1f} {row['img_per_sec_total']:12.1f} "
-              f"{row['median_img_per_sec_total']:9.1f} {row['scaling_efficiency']:10.1%}")
-    OUT.mkdir(exist_ok=True)
-    path = OUT / "training.json"
-    path.write_text(json.dumps({"batch_size": args.batch_size, "steps": args.steps,
-                                "rounds": args.rounds, "cores": os.cpu_count(),
-                                "skipped": skipped, "results": rows}, indent=2) + "\n")
-    print(f"wrote {path}")
+    configurations = [{"name": name, "processes": n, "module": modules[name],
+                       "rounds_img_per_sec_total": totals[name][n]}
+                      for name in runners for n in counts]
+    print(f"small CNN, batch {args.batch_size}/process, 1 thread per process, "
+          f"{os.cpu_count()} cores; median of {args.rounds} rounds, ratio to {BASELINE} "
+          "taken round by round")
+    for c in configurations:
+        base = totals[BASELINE][c["processes"]]
+        ratio = statistics.median(a / b for a, b in zip(c["rounds_img_per_sec_total"], base))
+        print(f"  {c['name']:36s} {c['processes']} process(es) "
+              f"{statistics.median(c['rounds_img_per_sec_total']):9.1f} img/s  x{ratio:.3f}")
+    for name, rounds in steps.items():
+        print(f"  {name}: one-process DistributedOptimizer step / plain step "
+              f"x{statistics.median(r['ratio'] for r in rounds):.3f}")
+    for what, why in skipped.items():
+        print(f"skipped {what}: {why}")
+    meta = describe(command_line(), ("numpy", "torch", "mpi4py")
+                    + (() if args.no_tensorflow else ("tensorflow", "keras")))
+    meta.update(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
+                step_pairs=args.step_pairs, rounds=args.rounds, skipped=skipped)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "training.json"
+    path.write_text(json.dumps({"benchmark": "training", "meta": meta, "baseline": BASELINE,
+                                "ours": OURS, "configurations": configurations,
+                                "one_process_step": steps}, indent=1) + "\n")
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

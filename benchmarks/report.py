@@ -1,0 +1,239 @@
+"""Writes ``benchmarks/RESULTS.md`` and ``benchmarks/results/allreduce.png`` from the JSON
+files in ``benchmarks/results/`` (and nothing else): the machine, the versions, the command,
+the targets computed from the measurements, one table per benchmark.
+
+    python benchmarks/report.py [--results DIR] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIB = 1 << 20
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def table(header: list[str], rows: list[list], align: str = "") -> list[str]:
+    align = align or "l" + "r" * (len(header) - 1)
+    marks = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def run_lines(meta: dict) -> list[str]:
+    versions = ", ".join(f"{k} {v.split(',')[0] if k == 'mpi' else v}"
+                         for k, v in meta["versions"].items()
+                         if v is not None and k != "hpc_horovod from")
+    lines = [f"- Run: {meta['date']} on `{meta['host']}`: {meta['cpu']}, {meta['cores']} cores, "
+             f"{meta['platform']}" + (f", {meta['gpu']}" if "gpu" in meta else "")
+             + f"; load average at the start {meta['loadavg'][0]}",
+             f"- Versions: {versions}; code at commit `{meta['commit']}`",
+             f"- Command: `{meta['command']}`"]
+    lines += [f"- Not measured: {what} ({why})" for what, why in meta.get("skipped", {}).items()]
+    return lines + [""]
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+def verdict(value: float | None, goal: str) -> str:
+    if value is None or goal == "-":
+        return "-"
+    bound = float(goal.split()[1])
+    return "yes" if (value <= bound if goal.startswith("<=") else value >= bound) else "**no**"
+
+
+def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
+    rows = []  # [what, measured, goal]
+    if training is not None:
+        for n in sorted({c["processes"] for c in training["configurations"]}):
+            ratio = training_ratio(training, training["ours"], n)
+            rows.append([f"{training['ours']} training throughput / {training['baseline']}, "
+                         f"{n} process(es) (median of per-round ratios)", ratio, "-"])
+        rounds = training["one_process_step"].get(training["ours"], [])
+        ratio = statistics.median(r["ratio"] for r in rounds) if rounds else None
+        rows.append(["One process: DistributedOptimizer step / plain optimizer step "
+                     "(median over rounds)", ratio, "<= 1.02"])
+    if allreduce is not None:
+        sweep = allreduce["sections"]["sweep"]
+        big = [r for r in sweep["rows"] if r["bytes"] >= 16 * MIB]
+        for case in [c for c in dict.fromkeys(r["case"] for r in sweep["rows"])
+                     if c.startswith("hvd")]:
+            speeds = [1 / r["ratio"] for r in big if r["case"] == case and r["ratio"]]
+            rows.append([f"{case}, 16 MiB and larger: speed vs {sweep['baseline']} "
+                         "(worst size)", min(speeds) if speeds else None, ">= 0.95"])
+        small = allreduce["sections"]["small"]
+        for r in small["rows"]:
+            if r["case"].startswith("hvd"):
+                rows.append([f"{small['title']}: {r['case']} / {small['baseline']}",
+                             r["ratio"], "<= 3"])
+    return [[what, "not measured" if v is None else f"x{v:.3f}", goal, verdict(v, goal)]
+            for what, v, goal in rows]
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+
+def allreduce_lines(result: dict, plot: str | None) -> list[str]:
+    cuda = result["benchmark"].endswith("cuda")
+    title = "on the GPU (`--device cuda`)" if cuda else "on the host"
+    lines = [f"## Allreduce {title}", "", *run_lines(result["meta"]),
+             "Every reduction is a Sum; each cell is the median over repetitions of the slowest "
+             "rank and, after x, its ratio to the baseline's time in the same run (below 1: "
+             "faster). Quartiles and repetitions are in the JSON.", ""]
+    sweep = result["sections"]["sweep"]
+    cases = list(dict.fromkeys(r["case"] for r in sweep["rows"]))
+    cell = {(r["bytes"], r["case"]): r for r in sweep["rows"]}
+    sizes = sorted({r["bytes"] for r in sweep["rows"]})
+    lines += [f"### {sweep['title']} (baseline: {sweep['baseline']})", ""]
+    lines += table(["size", *cases], [
+        [human(n), *(f"{fmt_time(cell[n, c]['median_s'])} x{cell[n, c]['ratio']:.2f}"
+                     if (n, c) in cell and cell[n, c]["ratio"] else "-" for c in cases)]
+        for n in sizes])
+    for key, section in result["sections"].items():
+        if key == "sweep":
+            continue
+        lines += [f"### {section['title']} (baseline: {section['baseline']})", ""]
+        lines += table(["case", "median", "quartiles", "ratio", "bus bandwidth"], [
+            [r["case"], fmt_time(r["median_s"]),
+             f"{fmt_time(r['p25_s'])} - {fmt_time(r['p75_s'])}",
+             f"x{r['ratio']:.2f}" if r["ratio"] else "-", f"{r['busbw_GBps']:.2f} GB/s"]
+            for r in section["rows"]])
+    if plot:
+        lines += [f"![allreduce]({plot})", ""]
+    return lines
+
+
+def draw(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    sweep = result["sections"]["sweep"]
+    for case in dict.fromkeys(r["case"] for r in sweep["rows"]):
+        points = sorted((r["bytes"], r["busbw_GBps"]) for r in sweep["rows"] if r["case"] == case)
+        left.plot(*zip(*points), marker="o", ms=3, label=case)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("bytes per rank")
+    left.set_ylabel("bus bandwidth (GB/s)")
+    left.set_title(f"{sweep['title']}, {result['meta']['ranks']} ranks")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    small = result["sections"]["small"]
+    right.barh([r["case"] for r in small["rows"]], [r["median_s"] * 1e3 for r in small["rows"]])
+    right.set_xscale("log")
+    right.set_xlabel("ms (median, log scale)")
+    right.set_title(small["title"].split(",")[0] + ", async then synchronized", fontsize=10)
+    right.invert_yaxis()
+    fig.suptitle(f"{result['meta']['host']}, {result['meta']['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- training ----------------------------------------------------------------------------------
+
+def training_ratio(result: dict, name: str, n: int) -> float | None:
+    runs = {(c["name"], c["processes"]): c["rounds_img_per_sec_total"]
+            for c in result["configurations"]}
+    if (name, n) not in runs or (result["baseline"], n) not in runs:
+        return None
+    return statistics.median(a / b for a, b in zip(runs[name, n], runs[result["baseline"], n]))
+
+
+def training_lines(result: dict) -> list[str]:
+    meta = result["meta"]
+    lines = ["## Training throughput", "", *run_lines(meta),
+             f"A small CNN, batch {meta['batch_size']} per process, one compute thread per "
+             f"process, {meta['steps']} timed steps after {meta['warmup']}; {meta['rounds']} "
+             "rounds, every configuration once per round. Throughput is the median over rounds "
+             "of the images per second of all processes; the ratio to the baseline is taken "
+             "round by round; scaling efficiency = throughput with n processes / (n x with "
+             "one).", ""]
+    single = {c["name"]: statistics.median(c["rounds_img_per_sec_total"])
+              for c in result["configurations"] if c["processes"] == 1}
+    rows = []
+    for c in result["configurations"]:
+        totals, n = c["rounds_img_per_sec_total"], c["processes"]
+        ratio = training_ratio(result, c["name"], n)
+        median = statistics.median(totals)
+        rows.append([c["name"], n, f"{median:.1f}", f"{min(totals):.1f} - {max(totals):.1f}",
+                     "-" if ratio is None else f"x{ratio:.3f}",
+                     f"{median / (n * single[c['name']]):.0%}" if c["name"] in single else "-"])
+    lines += table(["configuration", "processes", "img/s", "range over rounds",
+                    f"ratio to {result['baseline']}", "scaling efficiency"], rows)
+    lines += [f"One process, {meta['step_pairs']} steps of each alternated per round: the "
+              "training step with DistributedOptimizer against the plain optimizer it wraps "
+              "(two copies of one model).", ""]
+    lines += table(["code", "plain step", "DistributedOptimizer step", "ratio (median)",
+                    "ratio range"], [
+        [name, fmt_time(statistics.median(r["plain_median_s"] for r in rounds)),
+         fmt_time(statistics.median(r["distributed_median_s"] for r in rounds)),
+         f"x{statistics.median(r['ratio'] for r in rounds):.3f}",
+         f"x{min(r['ratio'] for r in rounds):.3f} - x{max(r['ratio'] for r in rounds):.3f}"]
+        for name, rounds in result["one_process_step"].items()])
+    return lines
+
+
+# -- the page ----------------------------------------------------------------------------------
+
+def render(results: dict[str, dict], plot: str | None) -> str:
+    allreduce, training = results.get("allreduce"), results.get("training")
+    latest = [f"{name} on {r['meta']['date']} on `{r['meta']['host']}` ({r['meta']['cpu']}, "
+              f"{r['meta']['cores']} cores)" for name, r in sorted(results.items())]
+    lines = ["# Benchmark results", "",
+             "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; "
+             "`make bench` reruns the benchmarks and this report. These are the latest "
+             "numbers: " + "; ".join(latest) + ". Earlier results are in git history. The cases "
+             "compared in a ratio ran in the same run, interleaved; each run gives the load "
+             "average of its machine at its start.", "",
+             "## Targets", ""]
+    lines += table(["what", "measured", "goal", "met"], target_rows(allreduce, training), "lrrl")
+    for name in sorted(results):
+        if name.startswith("allreduce"):
+            lines += allreduce_lines(results[name], plot if name == "allreduce" else None)
+    if training is not None:
+        lines += training_lines(training)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    args = p.parse_args(argv)
+    results = {path.stem: json.loads(path.read_text())
+               for path in sorted(args.results.glob("*.json"))}
+    if not results:
+        p.error(f"no results in {args.results}: run the benchmarks first (make bench)")
+    plot = None
+    if "allreduce" in results:
+        png = args.results / "allreduce.png"
+        draw(results["allreduce"], png)
+        plot = Path(os.path.relpath(png.resolve(), args.output.resolve().parent)).as_posix()
+    args.output.write_text(render(results, plot))
+    print(f"wrote {args.output}" + (f" and {png}" if plot else ""))
+
+
+if __name__ == "__main__":
+    main()

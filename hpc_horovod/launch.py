@@ -4,9 +4,9 @@ Outside SLURM it wraps the MPI launcher found on PATH (Open MPI's ``mpirun``, or
 Hydra's ``mpiexec``) with: on this machine, each rank bound to its own equal share of the
 physical cores (``--map-by slot:PE=n --bind-to core``: a rank's engine thread then hands the GIL
 over on a warm core, and torch's thread pool sizes itself to the share), no binding with
-``--oversubscribe`` when there are more ranks than cores, and no binding on other hosts (their
-cores are not known here); the root flags when run as root, output tagged with the rank, and the
-``HOROVOD_*`` variables forwarded.
+``--oversubscribe`` and ``mpi_yield_when_idle`` when there are more ranks than cores, and no
+binding on other hosts (their cores are not known here); the root flags when run as root,
+output tagged with the rank, and the ``HOROVOD_*`` variables forwarded.
 Inside a SLURM allocation it uses ``srun`` instead, which knows the allocation's nodes.
 """
 
@@ -112,8 +112,10 @@ def _binding(np_: int, hosts: list, cores: int) -> list[str]:
     """Open MPI's mapping flags: a share of this machine's cores per rank, else no binding."""
     slots = sum(s for _, s in hosts) if hosts else cores
     if hosts or np_ > cores:
+        # More ranks than slots share cores: Open MPI's waits then yield instead of spinning
+        # on the core a peer's training needs (an MCA parameter of this launch's ranks only).
         return ["--bind-to", "none", "--map-by", "slot"] + (
-            ["--oversubscribe"] if np_ > slots else [])
+            ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"] if np_ > slots else [])
     return ["--map-by", f"slot:PE={cores // np_}", "--bind-to", "core"]
 
 

@@ -66,6 +66,10 @@ def test_more_ranks_than_cores_oversubscribe_unbound():
     cmd = command("-np", "5", "python", "train.py", cores=4)
     assert "--oversubscribe" in cmd and flag(cmd, "--bind-to") == "none"
     assert flag(cmd, "--map-by") == "slot"
+    # ranks that share cores yield in MPI's waits (set on the launch, not by the library)
+    assert flag(cmd, "mpi_yield_when_idle") == "1" and cmd[cmd.index("mpi_yield_when_idle") - 1] \
+        == "--mca"
+    assert "mpi_yield_when_idle" not in command("-np", "2", "x.py", cores=8)
 
 
 def test_other_hosts_are_not_bound():

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from .launch import exit_status
 from .version import __version__
 
 #: modules that provide sub-commands, in the order ``--help`` lists them
@@ -39,13 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, OSError, RuntimeError) as exc:
-        print(f"hpc-horovod {args.subcommand}: error: {exc}", file=sys.stderr)
-        return 2
+    return exit_status(f"hpc-horovod {args.subcommand}", lambda: args.func(args))
 
 
 if __name__ == "__main__":

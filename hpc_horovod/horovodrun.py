@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from . import check_build
-from .launch import Launch, run_launch
+from .launch import Launch, exit_status, run_launch
 from .version import __version__
 
 #: Horovod launcher flags with no equivalent here -> why (each takes a value unless listed in
@@ -170,13 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     launch = Launch(np=args.np, command=tuple(command), hosts=args.hosts,
                     hostfile=args.hostfile, mpi_args=args.mpi_args)
-    try:
-        return run_launch(launch, horovod_env(args), verbose=args.verbose)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, OSError, RuntimeError) as exc:
-        print(f"horovodrun: error: {exc}", file=sys.stderr)
-        return 2
+    return exit_status("horovodrun",
+                       lambda: run_launch(launch, horovod_env(args), verbose=args.verbose))
 
 
 if __name__ == "__main__":

@@ -201,3 +201,15 @@ def register(sub) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print the launcher command")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     p.set_defaults(func=run)
+
+
+def exit_status(prog: str, call) -> int:
+    """``call()``'s exit status for a command line tool: its result (0 for None), 130 after
+    Ctrl-C, 2 with a one-line ``prog: error: ...`` for the errors that a user's input causes."""
+    try:
+        return int(call() or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

@@ -21,6 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
 
 
+def clean_env(extra: dict | None = None) -> dict:
+    """This environment without any launcher's variables, with this checkout first on
+    PYTHONPATH, and ``extra`` on top: a subprocess started with it runs as a job of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
 def leave_launchers(monkeypatch) -> None:
     """Remove every launcher's variables for this test: ``init`` starts a job of size 1."""
     for key in [k for k in os.environ if k.startswith(LAUNCHER_PREFIXES)]:

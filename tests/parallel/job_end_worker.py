@@ -54,17 +54,16 @@ def reduce_for(seconds: float, tag: str) -> None:
         step += 1
 
 
-if scenario == "kill":
+if scenario in ("kill", "stall", "exit"):
     warm_up()
     if RANK == 1:
         failing()
-        os.kill(os.getpid(), signal.SIGKILL)
-    reduce_for(300, "after")
-elif scenario == "stall":
-    warm_up()
-    if RANK == 1:
-        failing()
-        time.sleep(120)
+        if scenario == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif scenario == "stall":
+            time.sleep(120)
+        else:
+            sys.exit(0)
     reduce_for(300, "after")
 elif scenario == "exception":
     if RANK == 1:
@@ -75,12 +74,6 @@ elif scenario == "exception":
 elif scenario == "mismatch":
     failing()
     hvd.allreduce(np.ones(3 + RANK), name="shapes.differ")
-elif scenario == "exit":
-    warm_up()
-    if RANK == 1:
-        failing()
-        sys.exit(0)
-    reduce_for(300, "after")
 elif scenario in ("join_allgather", "join_broadcast"):
     failing()
     if RANK == 0:

@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import configparser
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import clean_env
 
 from hpc_horovod import horovodrun
 
 ROOT = Path(__file__).resolve().parents[2]
 HOROVODRUN = [sys.executable, "-m", "hpc_horovod.horovodrun"]
-
-
-def clean_env(extra: dict | None = None) -> dict:
-    prefixes = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update(extra or {})
-    return env
 
 
 def test_is_a_console_script():

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import clean_env
 
 from hpc_horovod import cli, launch
 from hpc_horovod.version import __version__
@@ -29,14 +30,6 @@ def parse(*argv: str):
 def command(*argv: str, env: dict | None = None, cores: int | None = None) -> list[str]:
     return launch.build_command(launch.Launch.from_args(parse(*argv)),
                                 {} if env is None else env, cores)
-
-
-def clean_env(extra: dict | None = None) -> dict:
-    prefixes = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update(extra or {})
-    return env
 
 
 def test_this_machine_has_open_mpi():

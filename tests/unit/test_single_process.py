@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import LAUNCHER_PREFIXES, leave_launchers, single_process_job
+from support import clean_env, leave_launchers, single_process_job
 
 import hpc_horovod as hvd
 from hpc_horovod.common import basics, ops
@@ -22,12 +22,6 @@ from hpc_horovod.common.types import SUPPORTED_DTYPES, bfloat16
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMERIC = [d for d in SUPPORTED_DTYPES if d != np.bool_]
-
-
-def clean_env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env.update(extra or {})
-    return env
 
 
 @pytest.fixture

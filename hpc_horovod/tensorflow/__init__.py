@@ -68,15 +68,18 @@ from .legacy import (
     distributed_legacy_optimizer,
 )
 from .mpi_ops import (
+    CollectiveError,
     allgather,
     allreduce,
     alltoall,
     barrier,
     broadcast,
+    broadcast_,
     cross_rank_op,
     cross_size_op,
     grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     join,
     local_rank_op,
     local_size_op,
@@ -85,7 +88,8 @@ from .mpi_ops import (
     reducescatter,
     size_op,
 )
-from .tape import DistributedGradientTape, PartialDistributedGradientTape
+from .sync_batch_norm import SyncBatchNormalization
+from .tape import DistributedGradientTape, PartialDistributedGradientTape, local_layer_variables
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
@@ -96,39 +100,72 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     """Wrap an optimizer so that it averages (``op``) gradients over the ranks before applying
     them: a ``tf.compat.v1.train.Optimizer`` (TF1 graphs: ``compute_gradients`` is reduced) or a
     Keras optimizer (see ``hpc_horovod.tensorflow.keras.DistributedOptimizer``)."""
+    return _distributed_optimizer(
+        optimizer, None, name=name, use_locking=use_locking, device_dense=device_dense,
+        device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step, op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
+                                device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                                gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                                groups=None, process_set: ProcessSet = global_process_set,
+                                local_layers=None, scale_local_gradients=True):
+    """A ``DistributedOptimizer`` that leaves the trainable variables of ``local_layers`` (a Keras
+    layer or a list of them) out of the reduction: each rank applies its own gradient to them,
+    divided by the set size when ``scale_local_gradients`` (as in Horovod)."""
+    if op not in (Average, Sum):
+        raise ValueError("PartialDistributedOptimizer supports op=Average and op=Sum")
+    return _distributed_optimizer(
+        optimizer, (local_layers, scale_local_gradients), name=name, use_locking=use_locking,
+        device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+        op=op, gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set)
+
+
+def _distributed_optimizer(optimizer, partial, *, use_locking, backward_passes_per_step,
+                           average_aggregated_gradients, **options):
+    """Dispatch on the optimizer's kind; ``partial``: None or (local_layers,
+    scale_local_gradients)."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is supported with Keras optimizers; "
                              "with a tf.compat.v1.train optimizer accumulate gradients yourself")
-        return distributed_legacy_optimizer(
-            optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
-            device_sparse=device_sparse, compression=compression,
-            sparse_as_dense=sparse_as_dense, op=op,
-            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-            groups=groups, process_set=process_set)
+        if partial is not None:
+            options.update(local_variables=local_layer_variables(partial[0]),
+                           scale_local_gradients=partial[1])
+        return distributed_legacy_optimizer(optimizer, use_locking=use_locking, **options)
     if isinstance(optimizer, KerasOptimizer):
-        from .keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
+        from .keras import optimizer as keras_optimizer
 
-        return keras_distributed_optimizer(
-            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-            compression=compression, sparse_as_dense=sparse_as_dense,
-            gradient_predivide_factor=gradient_predivide_factor, op=op,
-            backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-            groups=groups, process_set=process_set)
+        common = dict(backward_passes_per_step=backward_passes_per_step,
+                      average_aggregated_gradients=average_aggregated_gradients, **options)
+        if partial is None:
+            return keras_optimizer.DistributedOptimizer(optimizer, **common)
+        common.pop("num_groups", None)
+        return keras_optimizer.PartialDistributedOptimizer(
+            optimizer, local_layers=partial[0], scale_local_gradients=partial[1], **common)
     raise ValueError("Provided optimizer doesn't inherit from either legacy TensorFlow or Keras "
                      f"optimizer: {optimizer}")
 
 
 __all__ = [
-    "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
-    "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
-    "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveError", "Compression",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "PartialDistributedGradientTape", "PartialDistributedOptimizer", "ProcessSet", "Product",
+    "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "ccl_built",
     "cross_rank", "cross_rank_op", "cross_size", "cross_size_op", "cuda_built", "ddl_built",
     "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
-    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_rank_op",
     "local_size", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
     "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",

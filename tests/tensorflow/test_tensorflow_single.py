@@ -158,8 +158,13 @@ def test_keras_fit_save_and_load_in_one_process(single, tmp_path):
     assert int(loaded.optimizer.iterations.numpy()) == 4
     for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
         np.testing.assert_allclose(a.numpy(), b.numpy())
-    assert hvd_keras.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
-    assert hvd_keras.broadcast(np.arange(3), 0).tolist() == [0, 1, 2]
+    # The Keras API returns tensors, as Horovod's does in eager mode.
+    for out in (hvd_keras.allreduce([1.0, 2.0]), hvd_keras.broadcast(np.arange(3), 0),
+                hvd_keras.allgather(np.ones((2, 1))), hvd_keras.reducescatter(np.ones((2, 1))),
+                hvd_keras.allreduce(keras.metrics.Mean()(tf.constant([4.0])))):
+        assert isinstance(out, tf.Tensor), type(out)
+    assert hvd_keras.allreduce([1.0, 2.0]).numpy().tolist() == [1.0, 2.0]
+    assert hvd_keras.broadcast(np.arange(3), 0).numpy().tolist() == [0, 1, 2]
     assert hvd_keras.allgather(np.ones((2, 1))).shape == (2, 1)
 
 

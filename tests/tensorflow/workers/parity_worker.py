@@ -176,6 +176,24 @@ def check_grouped_reducescatter_and_gradient():
     assert_close(in_both_modes(grad), R * 2 * np.array([1.0, 2.0, 1.0, 2.0]) + 2 * 2)
 
 
+def check_float16_reducescatter_scaling_rounds_as_horovod():
+    """float16 scaled in float32 and rounded once per step: Horovod's exact values."""
+    rng = np.random.RandomState(5)
+    tensor = tf.constant(rng.uniform(-100, 100, [8, 3]), tf.float16)  # the same on both ranks
+    for factor in rng.uniform(size=4):
+        def scaled():
+            return [hvd.reducescatter(tensor, op=hvd.Sum, prescale_factor=factor),
+                    hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor),
+                    hvd.allreduce(tensor, op=hvd.Sum, prescale_factor=factor)]
+        pre, post, allreduced = in_both_modes(scaled)
+        mine = slice(4 * RANK, 4 * RANK + 4)
+        once = tf.cast(tf.cast(tensor, tf.float32) * np.float32(factor), tf.float16) * 2
+        np.testing.assert_array_equal(pre, once.numpy()[mine])
+        np.testing.assert_array_equal(allreduced, once.numpy())
+        twice = tf.cast(tf.cast(tensor * 2, tf.float32) * np.float32(factor), tf.float16)
+        np.testing.assert_array_equal(post, twice.numpy()[mine])
+
+
 def check_broadcast_in_place():
     v = tf.Variable(tf.fill([3], R))
     w = tf.Variable([RANK], dtype=tf.int64)
@@ -303,7 +321,8 @@ for check in (check_tf1_session_runs_20_independent_collectives,
               check_tf1_order_never_runs_what_needs_other_feeds,
               check_tf_function_runs_20_independent_collectives,
               check_broadcast_gradient_in_a_tf1_graph, check_error_types, check_uint16,
-              check_grouped_reducescatter_and_gradient, check_broadcast_in_place,
+              check_grouped_reducescatter_and_gradient,
+              check_float16_reducescatter_scaling_rounds_as_horovod, check_broadcast_in_place,
               check_integer_indexed_slices_average_to_floats, check_keras_api_returns_tensors,
               check_partial_distributed_optimizer,
               check_broadcast_callback_keeps_local_variables, check_sync_batch_normalization):

@@ -486,8 +486,11 @@ def broadcast_(variables, root_rank: int, name=None,
     assigns = [var.assign(value) for var, value in zip(variables, values)]
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(var) for var in variables]
-    with tf.control_dependencies(assigns):
-        return [tf.identity(var.value() if hasattr(var, "value") else var) for var in variables]
+    with tf.control_dependencies(assigns):  # reads made here come after the assignments
+        # A Keras variable holds its tf.Variable in ``value``; read_value() makes a new read
+        # (converting a tf.compat.v1 reference variable would reuse its cached snapshot).
+        return [(var if isinstance(var, tf.Variable) else var.value).read_value()
+                for var in variables]
 
 
 # -- alltoall, reducescatter ----------------------------------------------------------------------

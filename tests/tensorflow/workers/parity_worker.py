@@ -181,7 +181,7 @@ def check_float16_reducescatter_scaling_rounds_as_horovod():
     rng = np.random.RandomState(5)
     tensor = tf.constant(rng.uniform(-100, 100, [8, 3]), tf.float16)  # the same on both ranks
     for factor in rng.uniform(size=4):
-        def scaled():
+        def scaled(factor=factor):
             return [hvd.reducescatter(tensor, op=hvd.Sum, prescale_factor=factor),
                     hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor),
                     hvd.allreduce(tensor, op=hvd.Sum, prescale_factor=factor)]
@@ -201,9 +201,17 @@ def check_broadcast_in_place():
     assert_close(v, [2.0] * 3)
     assert w.numpy().tolist() == [1]
     assert_close(values[0], [2.0] * 3)
-    u = tf.Variable(tf.fill([2], R))
-    assert_close(tf.function(lambda: hvd.broadcast_([u], root_rank=0)[0])(), [1.0, 1.0])
+    u, k = tf.Variable(tf.fill([2], R)), keras.Variable(np.full([2], R, np.float32))
+    out = tf.function(lambda: hvd.broadcast_([u, k], root_rank=0))()
+    assert_close(out, [[1.0, 1.0]] * 2)
     assert_close(u, [1.0, 1.0])
+    assert_close(k, [1.0, 1.0])
+    with tf.Graph().as_default():
+        g = tf.Variable([R])
+        new_values = hvd.broadcast_([g], root_rank=1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(g.initializer)
+            assert_close(sess.run(new_values), [[2.0]])
     expect(ValueError, lambda: hvd.broadcast_([tf.ones(2)], 0), "variables")
 
 

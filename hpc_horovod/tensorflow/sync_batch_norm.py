@@ -7,8 +7,8 @@ For small per-rank batches (detection, segmentation) the statistics of one rank'
 are too noisy; here each training step allreduces, in one call, the per-channel sums of the
 values and of their squares and the sample counts, so the mean and variance are exact over the
 global batch even when ranks hold batches of different sizes. Inference uses the moving
-statistics as usual. The layer saves and loads as a plain ``BatchNormalization`` config with its
-own class name (register it with ``custom_objects`` or load through ``hvd.load_model``).
+statistics as usual. Saved models load it back wherever ``hpc_horovod.tensorflow`` is imported
+(it is registered with Keras as ``hpc_horovod>SyncBatchNormalization``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if kwargs.get("synchronized"):
             raise ValueError("SyncBatchNormalization synchronizes through hpc_horovod; "
                              "synchronized=True (tf.distribute) does not apply")
-        kwargs.setdefault("name", None)
         super().__init__(**kwargs)
         self.process_set = process_set
 

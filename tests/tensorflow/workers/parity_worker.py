@@ -180,12 +180,14 @@ def check_float16_reducescatter_scaling_rounds_as_horovod():
     """float16 scaled in float32 and rounded once per step: Horovod's exact values."""
     rng = np.random.RandomState(5)
     tensor = tf.constant(rng.uniform(-100, 100, [8, 3]), tf.float16)  # the same on both ranks
+
+    def scaled_by(factor: float):
+        return lambda: [hvd.reducescatter(tensor, op=hvd.Sum, prescale_factor=factor),
+                        hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor),
+                        hvd.allreduce(tensor, op=hvd.Sum, prescale_factor=factor)]
+
     for factor in rng.uniform(size=4):
-        def scaled(factor=factor):
-            return [hvd.reducescatter(tensor, op=hvd.Sum, prescale_factor=factor),
-                    hvd.reducescatter(tensor, op=hvd.Sum, postscale_factor=factor),
-                    hvd.allreduce(tensor, op=hvd.Sum, prescale_factor=factor)]
-        pre, post, allreduced = in_both_modes(scaled)
+        pre, post, allreduced = in_both_modes(scaled_by(float(factor)))
         mine = slice(4 * RANK, 4 * RANK + 4)
         once = tf.cast(tf.cast(tensor, tf.float32) * np.float32(factor), tf.float16) * 2
         np.testing.assert_array_equal(pre, once.numpy()[mine])

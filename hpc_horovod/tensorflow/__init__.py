@@ -89,7 +89,7 @@ from .mpi_ops import (
     size_op,
 )
 from .sync_batch_norm import SyncBatchNormalization
-from .tape import DistributedGradientTape, PartialDistributedGradientTape, local_layer_variables
+from .tape import DistributedGradientTape, PartialDistributedGradientTape
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
@@ -100,59 +100,50 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     """Wrap an optimizer so that it averages (``op``) gradients over the ranks before applying
     them: a ``tf.compat.v1.train.Optimizer`` (TF1 graphs: ``compute_gradients`` is reduced) or a
     Keras optimizer (see ``hpc_horovod.tensorflow.keras.DistributedOptimizer``)."""
-    return _distributed_optimizer(
-        optimizer, None, name=name, use_locking=use_locking, device_dense=device_dense,
-        device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
-        backward_passes_per_step=backward_passes_per_step, op=op,
-        gradient_predivide_factor=gradient_predivide_factor,
-        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, process_set=process_set)
-
-
-def PartialDistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
-                                device_sparse="", compression=Compression.none,
-                                sparse_as_dense=False, backward_passes_per_step=1, op=Average,
-                                gradient_predivide_factor=1.0, average_aggregated_gradients=False,
-                                groups=None, process_set: ProcessSet = global_process_set,
-                                local_layers=None, scale_local_gradients=True):
-    """A ``DistributedOptimizer`` that leaves the trainable variables of ``local_layers`` (a Keras
-    layer or a list of them) out of the reduction: each rank applies its own gradient to them,
-    divided by the set size when ``scale_local_gradients`` (as in Horovod)."""
-    if op not in (Average, Sum):
-        raise ValueError("PartialDistributedOptimizer supports op=Average and op=Sum")
-    return _distributed_optimizer(
-        optimizer, (local_layers, scale_local_gradients), name=name, use_locking=use_locking,
-        device_dense=device_dense, device_sparse=device_sparse, compression=compression,
-        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
-        op=op, gradient_predivide_factor=gradient_predivide_factor,
-        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-        process_set=process_set)
-
-
-def _distributed_optimizer(optimizer, partial, *, use_locking, backward_passes_per_step,
-                           average_aggregated_gradients, **options):
-    """Dispatch on the optimizer's kind; ``partial``: None or (local_layers,
-    scale_local_gradients)."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is supported with Keras optimizers; "
                              "with a tf.compat.v1.train optimizer accumulate gradients yourself")
-        if partial is not None:
-            options.update(local_variables=local_layer_variables(partial[0]),
-                           scale_local_gradients=partial[1])
-        return distributed_legacy_optimizer(optimizer, use_locking=use_locking, **options)
+        return distributed_legacy_optimizer(
+            optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
+            device_sparse=device_sparse, compression=compression,
+            sparse_as_dense=sparse_as_dense, op=op,
+            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+            groups=groups, process_set=process_set)
     if isinstance(optimizer, KerasOptimizer):
-        from .keras import optimizer as keras_optimizer
+        from .keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
 
-        common = dict(backward_passes_per_step=backward_passes_per_step,
-                      average_aggregated_gradients=average_aggregated_gradients, **options)
-        if partial is None:
-            return keras_optimizer.DistributedOptimizer(optimizer, **common)
-        common.pop("num_groups", None)
-        return keras_optimizer.PartialDistributedOptimizer(
-            optimizer, local_layers=partial[0], scale_local_gradients=partial[1], **common)
+        return keras_distributed_optimizer(
+            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+            compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+            groups=groups, process_set=process_set)
     raise ValueError("Provided optimizer doesn't inherit from either legacy TensorFlow or Keras "
                      f"optimizer: {optimizer}")
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set: ProcessSet = global_process_set,
+                                local_layers=None, scale_local_gradients=True):
+    """A Keras ``DistributedOptimizer`` that leaves the trainable variables of ``local_layers``
+    (a Keras layer or a list of them) out of the reduction: each rank applies its own gradient
+    to them, divided by the set size when ``scale_local_gradients`` (as in Horovod). See
+    ``hpc_horovod.tensorflow.keras.PartialDistributedOptimizer``."""
+    from .keras.optimizer import PartialDistributedOptimizer as keras_partial
+
+    return keras_partial(optimizer, name=name, device_dense=device_dense,
+                         device_sparse=device_sparse, compression=compression,
+                         sparse_as_dense=sparse_as_dense,
+                         gradient_predivide_factor=gradient_predivide_factor, op=op,
+                         backward_passes_per_step=backward_passes_per_step,
+                         average_aggregated_gradients=average_aggregated_gradients,
+                         groups=groups, process_set=process_set, local_layers=local_layers,
+                         scale_local_gradients=scale_local_gradients)
 
 
 __all__ = [

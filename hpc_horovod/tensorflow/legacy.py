@@ -91,15 +91,11 @@ def distributed_legacy_optimizer(optimizer: tf.compat.v1.train.Optimizer, name=N
                                  use_locking=False, device_dense="", device_sparse="",
                                  compression=Compression.none, sparse_as_dense=False,
                                  op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                                 groups=None, process_set: ProcessSet = global_process_set,
-                                 local_variables=(), scale_local_gradients=True):
-    """``hvd.DistributedOptimizer`` for a tf.compat.v1.train optimizer (``local_variables``: see
-    ``GradientReducer``)."""
+                                 groups=None, process_set: ProcessSet = global_process_set):
+    """``hvd.DistributedOptimizer`` for a tf.compat.v1.train optimizer."""
     name = name or f"Distributed{type(optimizer).__name__}"
     reducer = GradientReducer(name, device_dense=device_dense, device_sparse=device_sparse,
                               compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                               gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups, process_set=process_set,
-                              local_variables=local_variables,
-                              scale_local_gradients=scale_local_gradients)
+                              num_groups=num_groups, groups=groups, process_set=process_set)
     return _DistributedOptimizer(optimizer, reducer, name, use_locking)

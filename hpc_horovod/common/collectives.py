@@ -93,8 +93,9 @@ def reducescatter_one(backend, sig: Signature, req: Request) -> None:
     send = xp.empty(tensor.size, dtype=wire)
     if pre == 1.0:
         send[...] = tensor.reshape(-1)
-    else:
-        xp.multiply(tensor.reshape(-1), pre, out=send, casting="unsafe")
+    else:  # float16 is scaled in float32 (a float16 factor would be rounded first)
+        xp.multiply(tensor.reshape(-1), pre, out=send, casting="unsafe",
+                    dtype=np.float32 if wire == np.float16 else None)
     recv = xp.empty(rows[backend.rank] * row, dtype=wire)
     op = Sum if sig.op == Average else sig.op
     backend.reduce_scatter(send, recv, [r * row for r in rows], op)

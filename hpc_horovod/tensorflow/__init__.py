@@ -69,15 +69,18 @@ from .legacy import (
     distributed_legacy_optimizer,
 )
 from .mpi_ops import (
+    CollectiveError,
     allgather,
     allreduce,
     alltoall,
     barrier,
     broadcast,
+    broadcast_,
     cross_rank_op,
     cross_size_op,
     grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     join,
     local_rank_op,
     local_size_op,
@@ -86,6 +89,7 @@ from .mpi_ops import (
     reducescatter,
     size_op,
 )
+from .sync_batch_norm import SyncBatchNormalization
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
 
 
@@ -121,15 +125,39 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                      f"optimizer: {optimizer}")
 
 
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set: ProcessSet = global_process_set,
+                                local_layers=None, scale_local_gradients=True):
+    """A Keras ``DistributedOptimizer`` that leaves the trainable variables of ``local_layers``
+    (a Keras layer or a list of them) out of the reduction: each rank applies its own gradient
+    to them, divided by the set size when ``scale_local_gradients`` (as in Horovod). See
+    ``hpc_horovod.tensorflow.keras.PartialDistributedOptimizer``."""
+    from .keras.optimizer import PartialDistributedOptimizer as keras_partial
+
+    return keras_partial(optimizer, name=name, device_dense=device_dense,
+                         device_sparse=device_sparse, compression=compression,
+                         sparse_as_dense=sparse_as_dense,
+                         gradient_predivide_factor=gradient_predivide_factor, op=op,
+                         backward_passes_per_step=backward_passes_per_step,
+                         average_aggregated_gradients=average_aggregated_gradients,
+                         groups=groups, process_set=process_set, local_layers=local_layers,
+                         scale_local_gradients=scale_local_gradients)
+
+
 __all__ = [
-    "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
-    "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
-    "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveError", "Compression",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "PartialDistributedGradientTape", "PartialDistributedOptimizer", "ProcessSet", "Product",
+    "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "ccl_built",
     "cross_rank", "cross_rank_op", "cross_size", "cross_size_op", "cuda_built", "ddl_built",
     "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
-    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_rank_op",
     "local_size", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
     "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",

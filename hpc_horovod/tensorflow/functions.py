@@ -8,7 +8,7 @@ import tensorflow as tf
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import allgather_object, broadcast_object
 from ..common.types import Sum
-from .mpi_ops import _allreduce, _grouped_broadcast
+from .mpi_ops import _allreduce, broadcast_
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_variables", "weighted_average"]
 
@@ -21,12 +21,8 @@ def broadcast_variables(variables, root_rank: int,
     ``variables``: tf.Variables or Keras variables, e.g. ``model.variables`` and
     ``optimizer.variables``. Eager: done on return. Graph mode: returns the op to run.
     """
-    variables = list(variables)
-    if not variables:
-        return None if tf.executing_eagerly() else tf.no_op()
-    values = _grouped_broadcast(variables, root_rank, process_set=process_set)
-    assigns = [var.assign(value) for var, value in zip(variables, values)]
-    return None if tf.executing_eagerly() else tf.group(*assigns)
+    values = broadcast_(variables, root_rank, process_set=process_set)
+    return None if tf.executing_eagerly() else tf.group(*values)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -32,16 +32,22 @@ def _split_list(items: list, n: int) -> list[list]:
 class GradientReducer:
     """Callable ``(grads, variables) -> grads`` averaging (by default) gradients over ranks.
 
-    ``gradient_predivide_factor`` (op=Average only) splits the averaging: gradients are scaled by
-    ``1/factor`` before the sum and ``factor/size`` after it. ``groups``: an int (that many
-    grouped calls over contiguous slices of the gradients) or a list of lists of variables
-    (each list one call; variables in no list get a call each).
+    ``gradient_predivide_factor`` (op=Average only) splits the averaging: dense gradients are
+    scaled by ``1/factor`` before the sum and ``factor/size`` after it (tf.IndexedSlices are
+    gathered, where the two cancel). ``groups``: an int (that many grouped calls over contiguous
+    slices of the gradients) or a list of lists of variables (each list one call; variables in
+    no list get a call each).
+
+    ``local_variables`` keep their local gradient, not reduced (divided by the set size when
+    ``scale_local_gradients``, as in Horovod, so that it weighs as much as a reduced one); more
+    can be added with ``register_local_variable``.
     """
 
     def __init__(self, name: str, *, device_dense: str = "", device_sparse: str = "",
                  compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 process_set: ProcessSet = global_process_set):
+                 process_set: ProcessSet = global_process_set, local_variables=(),
+                 scale_local_gradients: bool = True):
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if num_groups != 0:
@@ -63,6 +69,12 @@ class GradientReducer:
         self.postscale_factor = gradient_predivide_factor if op == Average else 1.0
         self.groups = groups
         self.process_set = process_set
+        self._local = {id(v) for v in local_variables}
+        self.scale_local_gradients = scale_local_gradients
+
+    def register_local_variable(self, variable) -> None:
+        """Keep ``variable``'s gradient local to this rank (not reduced)."""
+        self._local.add(id(variable))
 
     def _index_groups(self, indices: list[int], variables) -> list[list[int]]:
         if self.groups is None:
@@ -89,17 +101,36 @@ class GradientReducer:
         ps = self.process_set
         if not ps.included() or ps.size() == 1:
             return grads
+        local = set()
+        if self._local and variables is not None:
+            local = {i for i, v in enumerate(variables) if id(v) in self._local}
         with tf.name_scope(self.name + "_Allreduce"):
             if self.sparse_as_dense:
                 grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                          for g in grads]
-            present = [i for i, g in enumerate(grads) if g is not None]
+            present = [i for i, g in enumerate(grads) if g is not None and i not in local]
             for group in self._index_groups(present, variables):
-                reduced = grouped_allreduce(
-                    [grads[i] for i in group], device_dense=self.device_dense,
-                    device_sparse=self.device_sparse, compression=self.compression, op=self.op,
-                    prescale_factor=self.prescale_factor,
-                    postscale_factor=self.postscale_factor, process_set=ps)
-                for i, g in zip(group, reduced):
-                    grads[i] = g
+                dense = [i for i in group if not isinstance(grads[i], tf.IndexedSlices)]
+                sparse = [i for i in group if isinstance(grads[i], tf.IndexedSlices)]
+                for members, pre, post in ((dense, self.prescale_factor, self.postscale_factor),
+                                           (sparse, 1.0, 1.0)):
+                    if not members:
+                        continue
+                    reduced = grouped_allreduce(
+                        [grads[i] for i in members], device_dense=self.device_dense,
+                        device_sparse=self.device_sparse, compression=self.compression,
+                        op=self.op, prescale_factor=pre, postscale_factor=post, process_set=ps)
+                    for i, g in zip(members, reduced):
+                        grads[i] = g
+        if self.scale_local_gradients:
+            for i in local:
+                if grads[i] is not None:
+                    grads[i] = _scale(grads[i], 1.0 / ps.size())
         return grads
+
+
+def _scale(grad, factor: float):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)

@@ -2,9 +2,23 @@
 
 Eager: the op runs at once on host views of the tensors (``staging``). Graph: each call becomes one
 ``tf.numpy_function`` (a grouped call: one for the whole list) whose body submits to the engine
-and waits; its outputs carry every static dimension that is known. Inside ``tf.function``,
-TensorFlow runs stateful ops in program order, so every rank submits a function's collectives in
-the same order.
+and waits; its outputs carry every static dimension that is known.
+
+A graph op that waits holds one of TensorFlow's inter-op threads, so the ranks must run a graph's
+collectives in one order: two ranks that each start a different one first wait for each other
+forever once the threads run out. Inside ``tf.function`` TensorFlow chains stateful ops in
+program order itself. In a tf.compat.v1 graph each collective gets a control dependency on the
+collectives built before it in the same graph (and control-flow context) whose run needs nothing
+this one does not: no other placeholder and no other stateful op (variables and random numbers
+aside). Collectives fetched together therefore run in the order they were built on every rank,
+while fetching one never runs a collective that needs another feed or consumes other input, such
+as the broadcast of the variables built after the training step.
+
+Errors: a collective the ranks disagree on (shapes, dtypes, ops) raises
+``tf.errors.FailedPreconditionError`` (also a ``HorovodInternalError``) eagerly; a bad argument
+found when the op runs (alltoall splits) ``tf.errors.InvalidArgumentError``. Inside a graph
+TensorFlow turns the first into ``tf.errors.UnknownError`` (a ``tf.numpy_function`` cannot choose
+its error code) and keeps the second.
 
 Names: an explicit ``name`` is the engine's name for the op, verbatim. Without one, an eager op
 takes the core's counter (``allreduce.noname.3``) and a graph op its rank among the collectives of
@@ -16,21 +30,23 @@ Gradients follow Horovod: allreduce -> allreduce of the gradient with the same o
 factors (Sum and Average only); allgather -> Average-allreduce of the gradient, then this rank's
 rows; broadcast -> Average-allreduce of the gradient on the root, zeros elsewhere; alltoall ->
 alltoall back with the received splits; reducescatter -> allgather of the gradient (times the set
-size for Sum).
+size for Sum). The broadcast's gradient is one collective of its own on every rank.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.ops import control_flow_util
 
 from ..common import basics
 from ..common import ops as core
 from ..common.basics import ProcessSet, global_process_set
+from ..common.errors import HorovodInternalError
 from ..common.types import OP_NAMES, Average, Sum, check_dtype
 from . import staging
 from .compression import Compression
@@ -41,6 +57,10 @@ Runner = Callable[[list, "str | None"], list]
 _not_autograph = tf.autograph.experimental.do_not_convert
 
 
+#: Ops that move bytes without arithmetic: they also take uint16, sent as int16 (same bits).
+_MOVING = ("allgather", "broadcast", "alltoall")
+
+
 def _check_dtype(dtype: tf.DType, kind: str, op: int | None = None) -> None:
     try:
         np_dtype = np.dtype(dtype.as_numpy_dtype)
@@ -48,7 +68,36 @@ def _check_dtype(dtype: tf.DType, kind: str, op: int | None = None) -> None:
         np_dtype = None
     if np_dtype is None or np_dtype.kind == "O":
         raise ValueError(f"{kind} does not support tensors of dtype {dtype.name}")
+    if np_dtype == np.uint16 and kind in _MOVING:
+        return
     check_dtype(np_dtype, kind, op)
+
+
+def _to_engine(array: np.ndarray) -> np.ndarray:
+    return array.view(np.int16) if array.dtype == np.uint16 else array
+
+
+def _from_engine(array, dtype: tf.DType):
+    return array.view(np.uint16) if dtype == tf.uint16 else array
+
+
+class CollectiveError(tf.errors.FailedPreconditionError, HorovodInternalError):
+    """A collective failed on every rank taking part: the ranks disagreed on it (shapes, dtypes,
+    ops), a peer died or stalled. Caught as ``tf.errors.FailedPreconditionError``, as Horovod's
+    TensorFlow ops raise it, or as ``hvd.HorovodInternalError``."""
+
+    def __init__(self, message: str):
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+def _run_eagerly(run, arrays: list, name):
+    """``run`` with the errors TensorFlow code expects of an op (see the module docstring)."""
+    try:
+        return run(arrays, name)
+    except HorovodInternalError as exc:
+        raise CollectiveError(str(exc)) from exc
+    except ValueError as exc:
+        raise tf.errors.InvalidArgumentError(None, None, str(exc)) from exc
 
 
 def _check_not_xla(kind: str) -> None:
@@ -69,21 +118,73 @@ def _graph_name(prefix: str) -> str:
     return f"{prefix}.{n}"
 
 
+#: Stateful ops that a collective may run again for another one without changing what the program
+#: computes: reading variables, and drawing random numbers.
+_RERUNNABLE = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
+                         "VarIsInitializedOp", *auto_control_deps.LEGACY_RANDOM_OPS})
+#: Per tf.compat.v1 graph: (op, control-flow context, needs) of every collective built in it.
+_graph_collectives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _needs(tensors: Iterable[tf.Tensor], built: dict) -> frozenset:
+    """The placeholders and stateful ops (but those of ``_RERUNNABLE``) that running an op with
+    these inputs runs; ``built`` maps the graph's collectives to their own needs."""
+    needs, seen = set(), set()
+    stack = [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op in built:
+            needs |= built[op]
+            continue
+        if op.type in ("Placeholder", "PlaceholderV2") or \
+                (op._is_stateful and op.type not in _RERUNNABLE):
+            needs.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return frozenset(needs)
+
+
+def _predecessors(inputs: list[tf.Tensor]):
+    """In a tf.compat.v1 graph: the collectives this one must wait for (see the module docstring),
+    and a function recording the new op. Inside ``tf.function``: none."""
+    graph = tf.compat.v1.get_default_graph()
+    if graph.building_function:
+        return [], lambda op: None
+    context = graph._get_control_flow_context()
+    earlier = _graph_collectives.setdefault(graph, [])
+    needs = _needs(inputs, {op: op_needs for op, _, op_needs in earlier})
+    deps = [op for op, op_context, op_needs in earlier
+            if op_context is context and op_needs <= needs]
+    return deps, lambda op: earlier.append((op, context, needs))
+
+
 def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType],
                 out_shapes: list, prefix: str, name: str | None):
     """Run ``run(host_arrays, name) -> host_arrays``: now (eager) or as one graph op."""
     run = core.synchronous(run)  # it waits for what it submits
+
+    def run_on_host(arrays, name):
+        results = run([_to_engine(np.asarray(a)) for a in arrays], name)
+        return [_from_engine(r, dtype) for r, dtype in zip(results, out_dtypes)]
+
     if tf.executing_eagerly():
         device = inputs[0].device if inputs else ""
-        results = run([staging.to_host(t) for t in inputs], name)
+        results = _run_eagerly(run_on_host, [staging.to_host(t) for t in inputs], name)
         return [staging.to_device(r, dtype, device) for r, dtype in zip(results, out_dtypes)]
     _check_not_xla(prefix)
     if name is None:
         name = _graph_name(prefix)
-    outputs = tf.numpy_function(lambda *arrays: run(list(arrays), name), inputs, out_dtypes,
-                                stateful=True, name=prefix)
+    deps, record = _predecessors(inputs)
+    with tf.control_dependencies(deps):
+        outputs = tf.numpy_function(lambda *arrays: run_on_host(arrays, name), inputs,
+                                    out_dtypes, stateful=True, name=prefix)
     if not out_dtypes:
+        record(outputs)
         return outputs
+    record(outputs[0].op)
     for out, shape in zip(outputs, out_shapes):
         out.set_shape(shape)
     return outputs
@@ -171,18 +272,23 @@ def _grouped_allreduce(tensors: list, name=None, op=Sum, prescale_factor=1.0,
 def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, postscale_factor,
                       name, process_set) -> list[tf.IndexedSlices]:
     """tf.IndexedSlices are summed by gathering every rank's values and indices (one grouped
-    allgather for all of them); duplicate indices add up when the slices are applied."""
+    allgather for all of them); duplicate indices add up when the slices are applied. Average
+    divides the gathered values by the set size with TensorFlow's division (integer values
+    become floats)."""
     if op not in (Sum, Average):
-        raise ValueError(f"allreduce of tf.IndexedSlices supports op=Sum and op=Average (it is "
-                         f"an allgather of values and indices), not {OP_NAMES[op]}; densify the "
-                         "gradients (sparse_as_dense=True)")
+        raise NotImplementedError(
+            f"allreduce of tf.IndexedSlices supports op=Sum and op=Average (it is an allgather "
+            f"of values and indices), not {OP_NAMES[op]}; densify the gradients "
+            "(sparse_as_dense=True)")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("allreduce of tf.IndexedSlices does not take "
+                                  "prescale_factor/postscale_factor; scale the values yourself")
     gathered = grouped_allgather([s.values for s in slices] + [s.indices for s in slices],
                                  name=name, process_set=process_set)
-    scale = prescale_factor * postscale_factor / (process_set.size() if op == Average else 1)
     out = []
     for s, values, indices in zip(slices, gathered[:len(slices)], gathered[len(slices):]):
-        if scale != 1.0:
-            values = values * tf.cast(scale, values.dtype)
+        if op == Average:
+            values = values / tf.cast(process_set.size(), values.dtype)
         out.append(tf.IndexedSlices(values, indices, dense_shape=s.dense_shape))
     return out
 
@@ -194,8 +300,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     """Reduce ``tensor`` (tf.Tensor, tf.Variable or tf.IndexedSlices) over the ranks of
     ``process_set``; default op: Average. Shapes and dtypes must match on every rank.
 
-    A tf.IndexedSlices is reduced as an allgather of its values and indices (Sum or Average).
-    ``prescale_factor``/``postscale_factor`` multiply before/after the reduction. GPU tensors go
+    A tf.IndexedSlices is reduced as an allgather of its values and indices (Sum or Average,
+    without scale factors; NotImplementedError otherwise). ``prescale_factor``/
+    ``postscale_factor`` multiply before/after the reduction. GPU tensors go
     through host memory for now; pin one GPU per process with
     ``tf.config.set_visible_devices(gpus[hvd.local_rank()], 'GPU')``.
     """
@@ -331,6 +438,19 @@ def _grouped_broadcast(tensors: list, root_rank: int, name=None,
                        "HorovodGroupedBroadcast", name)
 
 
+def _broadcast_grad(dy, root_rank: int, process_set: ProcessSet) -> tf.Tensor:
+    """The average of ``dy`` over the set on the root, zeros elsewhere, as one collective whose
+    output every rank uses: zeros made by TensorFlow would let a graph drop the allreduce on the
+    other ranks, and the root would wait for them forever."""
+    dy = tf.convert_to_tensor(dy)
+    is_root = basics.rank() == root_rank
+
+    def run(arrays, name):
+        reduced = core.allreduce(arrays[0], name=name, op=Average, process_set=process_set)
+        return [reduced if is_root else np.zeros_like(reduced)]
+    return _collective(run, [dy], [dy.dtype], [dy.shape], "HorovodBroadcastGrad", None)[0]
+
+
 @_not_autograph
 def broadcast(tensor, root_rank: int, name=None,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
@@ -345,10 +465,32 @@ def broadcast(tensor, root_rank: int, name=None,
         (y,) = _collective(run, [x], [x.dtype], [x.shape], "HorovodBroadcast", name)
 
         def grad(dy):
-            reduced = _allreduce(dy, op=Average, process_set=process_set)
-            return reduced if basics.rank() == root_rank else tf.zeros_like(reduced)
+            return _broadcast_grad(dy, root_rank, process_set)
         return y, grad
     return forward(tensor)
+
+
+@_not_autograph
+def broadcast_(variables, root_rank: int, name=None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Assign every variable in ``variables`` its value on ``root_rank`` (one grouped broadcast)
+    and return the new values. Eager: done on return; graph: the values depend on the
+    assignments."""
+    variables = list(variables)
+    if not variables:
+        return []
+    if not all(hasattr(v, "assign") for v in variables):
+        raise ValueError("broadcast_ assigns in place: pass variables (tf.Variable or Keras "
+                         "variables), not tensors")
+    values = _grouped_broadcast(variables, root_rank, name=name, process_set=process_set)
+    assigns = [var.assign(value) for var, value in zip(variables, values)]
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(var) for var in variables]
+    with tf.control_dependencies(assigns):  # reads made here come after the assignments
+        # A Keras variable holds its tf.Variable in ``value``; read_value() makes a new read
+        # (converting a tf.compat.v1 reference variable would reuse its cached snapshot).
+        return [(var if isinstance(var, tf.Variable) else var.value).read_value()
+                for var in variables]
 
 
 # -- alltoall, reducescatter ----------------------------------------------------------------------
@@ -384,6 +526,48 @@ def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_pr
     return received if splits is None else (received, received_splits)
 
 
+def _scattered_shape(shape: tf.TensorShape, n: int, me: int) -> tf.TensorShape:
+    """This rank's block of rows: the first ranks get one more when dim 0 does not divide."""
+    if shape.rank is not None and shape[0] is not None:
+        base, extra = divmod(shape[0], n)
+        return tf.TensorShape([base + (1 if me < extra else 0)]).concatenate(shape[1:])
+    return _gathered_shape(shape)
+
+
+def _reducescatter(tensors: list, op, name, process_set, prescale_factor, postscale_factor,
+                   grouped: bool) -> list[tf.Tensor]:
+    """Differentiable reducescatter of tensors (one graph op, one engine submission)."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        _check_dtype(t.dtype, "reducescatter", op)
+        if t.shape.rank == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension")
+    n, me = process_set.size(), process_set.rank()
+
+    def run(arrays, name):
+        if grouped:
+            return core.grouped_reducescatter(arrays, name, op, process_set, prescale_factor,
+                                              postscale_factor)
+        return [core.reducescatter(arrays[0], name, op, process_set, prescale_factor,
+                                   postscale_factor)]
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = _collective(run, list(xs), [x.dtype for x in xs],
+                         [_scattered_shape(x.shape, n, me) for x in xs],
+                         "HorovodGroupedReducescatter" if grouped else "HorovodReducescatter",
+                         name)
+
+        def grad(*dys):
+            _differentiable(op, "reducescatter")
+            dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
+            if op == Sum:
+                dys = [dy * tf.cast(n, dy.dtype) for dy in dys]
+            return grouped_allgather(dys, process_set=process_set)
+        return ys, grad
+    return list(forward(*tensors))
+
+
 @_not_autograph
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set: ProcessSet = global_process_set, prescale_factor=1.0,
@@ -392,31 +576,24 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     more row when dim 0 does not divide evenly)."""
     with tf.device(device_dense):
         compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        _check_dtype(compressed.dtype, "reducescatter", op)
-        if compressed.shape.rank == 0:
-            raise ValueError("reducescatter needs a tensor with at least one dimension")
-        n, me = process_set.size(), process_set.rank()
-        shape = compressed.shape
-        if shape.rank is not None and shape[0] is not None:
-            base, extra = divmod(shape[0], n)
-            shape = tf.TensorShape([base + (1 if me < extra else 0)]).concatenate(shape[1:])
-        elif shape.rank is not None:
-            shape = _gathered_shape(shape)
+        (reduced,) = _reducescatter([compressed], op, name, process_set, prescale_factor,
+                                    postscale_factor, grouped=False)
+        return compression.decompress(reduced, ctx)
 
-        def run(arrays, name):
-            return [core.reducescatter(arrays[0], name, op, process_set, prescale_factor,
-                                       postscale_factor)]
 
-        @tf.custom_gradient
-        def forward(x):
-            (y,) = _collective(run, [x], [x.dtype], [shape], "HorovodReducescatter", name)
-
-            def grad(dy):
-                if _differentiable(op, "reducescatter") == Sum:
-                    dy = dy * tf.cast(n, dy.dtype)
-                return allgather(dy, process_set=process_set)
-            return y, grad
-        return compression.decompress(forward(compressed), ctx)
+@_not_autograph
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0, name=None) -> list[tf.Tensor]:
+    """Reducescatter a list of tensors as one operation (one graph op, one engine submission)."""
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    with tf.device(device_dense):
+        packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+        reduced = _reducescatter([t for t, _ in packed], op, name, process_set, prescale_factor,
+                                 postscale_factor, grouped=True)
+        return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
 # -- synchronization ------------------------------------------------------------------------------

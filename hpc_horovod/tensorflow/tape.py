@@ -19,50 +19,25 @@ from .gradients import GradientReducer
 
 
 class _DistributedGradientTape(tf.GradientTape):
-    """Takes over the recorded operations of ``tape``; reduces what ``gradient()`` returns.
+    """Takes over the recorded operations of ``tape``; reduces what ``gradient()`` returns."""
 
-    Variables in ``local_sources`` keep their local gradient (divided by the set size when
-    ``scale_local_gradients``, as in Horovod).
-    """
-
-    def __init__(self, tape: tf.GradientTape, reducer: GradientReducer, local_sources=(),
-                 scale_local_gradients: bool = True):
+    def __init__(self, tape: tf.GradientTape, reducer: GradientReducer):
         super().__init__(persistent=tape._persistent,
                          watch_accessed_variables=tape._watch_accessed_variables)
         self._tape = tape._tape
         self._watched_variables = tape._watched_variables
         self._reducer = reducer
-        self._local_sources = {id(v) for v in local_sources}
-        self._scale_local_gradients = scale_local_gradients
 
     def register_local_source(self, source) -> None:
         """Keep ``source``'s gradient local to this rank (not reduced)."""
-        self._local_sources.add(id(source))
+        self._reducer.register_local_variable(source)
 
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        shared = [i for i, s in enumerate(flat_sources) if id(s) not in self._local_sources]
-        reduced = self._reducer([flat_grads[i] for i in shared], [flat_sources[i] for i in shared])
-        out = list(flat_grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if self._scale_local_gradients and len(shared) < len(out):
-            n = self._reducer.process_set.size()
-            for i, g in enumerate(out):
-                if g is not None and id(flat_sources[i]) in self._local_sources:
-                    out[i] = _scale(g, 1.0 / n)
-        return tf.nest.pack_sequence_as(grads, out)
-
-
-def _scale(grad, factor: float):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+        reduced = self._reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
+        return tf.nest.pack_sequence_as(grads, reduced)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense="", device_sparse="",
@@ -94,14 +69,22 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense="",
     a list of them) out of the reduction: each rank keeps its own gradient for them (divided by
     the set size when ``scale_local_gradients``, as in Horovod). More local variables can be added
     with ``tape.register_local_source(var)``."""
-    if local_layers is None:
-        local_layers = []
-    elif not isinstance(local_layers, (list, tuple)):
-        local_layers = [local_layers]
-    local_sources = [v for layer in local_layers for v in layer.trainable_weights]
     reducer = GradientReducer("PartialDistributedGradientTape", device_dense=device_dense,
                               device_sparse=device_sparse, compression=compression,
                               sparse_as_dense=sparse_as_dense, op=op,
                               gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups, process_set=process_set)
-    return _DistributedGradientTape(gradtape, reducer, local_sources, scale_local_gradients)
+                              num_groups=num_groups, groups=groups, process_set=process_set,
+                              local_variables=local_layer_variables(local_layers),
+                              scale_local_gradients=scale_local_gradients)
+    return _DistributedGradientTape(gradtape, reducer)
+
+
+def local_layer_variables(local_layers) -> list:
+    """The trainable variables of ``local_layers``: None, a Keras layer or a list of them."""
+    if local_layers is None:
+        return []
+    if not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
+        raise ValueError("local_layers must be Keras layers")
+    return [v for layer in local_layers for v in layer.trainable_weights]

@@ -68,3 +68,15 @@ def test_synthetic_benchmark_reports_images_per_second():
                           "--image-size", 32, "--threads", 1)
     total = re.search(r"Total img/sec on 2 CPU process\(es\): (\S+)", out)
     assert total and float(total.group(1)) > 0, out
+
+
+def test_jean_zay_keras_recipe_trains_checkpoints_on_rank0_and_validates(tmp_path):
+    """The Jean Zay page's Keras example: fit, rank-0 checkpoints, then the distributed
+    validation with ``hvd.allreduce(metric.result())`` used as a tensor."""
+    out = hpc_horovod_run(2, "tensorflow2_keras_jean_zay.py", "--epochs", 3,
+                          "--checkpoint-dir", tmp_path)
+    assert final_accuracy(out) >= 0.85, out
+    assert "processes=2" in out and float(re.search(r"val_loss=(\S+)", out).group(1)) < 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        [f"checkpoint-{epoch}.keras" for epoch in range(1, 4)]
+    assert out.count("Epoch 1/3") == 1, "only rank 0 is verbose"

@@ -45,3 +45,14 @@ def test_training_equals_single_process_large_batch(mpirun, tmp_path):
 def test_tf1_graphs_sessions_hook_and_optimizer(mpirun):
     proc = mpirun(2, WORKERS / "tf1_worker.py", timeout=240, env=TF_ENV)
     assert_every_rank_says(proc, "ALL OK")
+
+
+def test_horovod_parity_graph_order_errors_and_keras_extras(mpirun):
+    """Twenty independent collectives in one tf.compat.v1 Session.run (four inter-op threads) and
+    in one tf.function, repeated; the order never runs a collective that needs another feed; the
+    broadcast's gradient in a graph; FailedPrecondition/InvalidArgument/NotImplemented errors;
+    uint16; grouped_reducescatter; broadcast_; integer IndexedSlices averaged to floats; the
+    Keras API's tensors; PartialDistributedOptimizer; the broadcast callback's local variables;
+    SyncBatchNormalization."""
+    proc = mpirun(2, WORKERS / "parity_worker.py", timeout=240, env=TF_ENV)
+    assert_every_rank_says(proc, "ALL OK")

@@ -158,8 +158,13 @@ def test_keras_fit_save_and_load_in_one_process(single, tmp_path):
     assert int(loaded.optimizer.iterations.numpy()) == 4
     for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
         np.testing.assert_allclose(a.numpy(), b.numpy())
-    assert hvd_keras.allreduce([1.0, 2.0]).tolist() == [1.0, 2.0]
-    assert hvd_keras.broadcast(np.arange(3), 0).tolist() == [0, 1, 2]
+    # The Keras API returns tensors, as Horovod's does in eager mode.
+    for out in (hvd_keras.allreduce([1.0, 2.0]), hvd_keras.broadcast(np.arange(3), 0),
+                hvd_keras.allgather(np.ones((2, 1))), hvd_keras.reducescatter(np.ones((2, 1))),
+                hvd_keras.allreduce(keras.metrics.Mean()(tf.constant([4.0])))):
+        assert isinstance(out, tf.Tensor), type(out)
+    assert hvd_keras.allreduce([1.0, 2.0]).numpy().tolist() == [1.0, 2.0]
+    assert hvd_keras.broadcast(np.arange(3), 0).numpy().tolist() == [0, 1, 2]
     assert hvd_keras.allgather(np.ones((2, 1))).shape == (2, 1)
 
 
@@ -181,3 +186,18 @@ def test_collectives_run_their_own_cycles(leaves_engine_asleep, graph):
 
     leaves_engine_asleep(tf.function(step) if graph else step,
                          lambda: ops.allreduce_async(np.ones(2)))
+
+
+def test_sync_batch_normalization_of_one_process_saves_and_loads(single, tmp_path):
+    """In a job of one it is Keras's batch normalization; saved models load it back."""
+    x = np.random.RandomState(0).rand(8, 3).astype("float32")
+    sync, plain = hvd.SyncBatchNormalization(), keras.layers.BatchNormalization()
+    np.testing.assert_allclose(sync(x, training=True), plain(x, training=True), rtol=1e-6)
+    assert sync.name.startswith("sync_batch_normalization")
+    model = keras.Sequential([keras.Input((3,)), hvd.SyncBatchNormalization(momentum=0.7)])
+    model.save(tmp_path / "bn.keras")
+    loaded = keras.saving.load_model(tmp_path / "bn.keras")
+    assert type(loaded.layers[0]) is hvd.SyncBatchNormalization
+    assert loaded.layers[0].momentum == 0.7
+    with pytest.raises(ValueError, match="synchronized"):
+        hvd.SyncBatchNormalization(synchronized=True)

@@ -11,13 +11,13 @@ also importable as ``hpc_horovod.keras``)::
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvd.callbacks.MetricAverageCallback()])
 
-``allreduce``/``allgather``/``broadcast``/``reducescatter`` here take and return values (numpy
-arrays), as in Horovod's Keras API; the tensor versions are in ``hpc_horovod.tensorflow``.
+``allreduce``/``allgather``/``broadcast``/``reducescatter`` here take values (numbers, numpy
+arrays, tensors, a metric's ``result()``) and return ``tf.Tensor``s, as Horovod's Keras API does
+in eager mode: ``hvd.allreduce(val_loss.result()).numpy()``.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from .. import (  # noqa: F401 - re-exported API
@@ -30,6 +30,7 @@ from .. import (  # noqa: F401 - re-exported API
     ProcessSet,
     Product,
     Sum,
+    SyncBatchNormalization,
     add_process_set,
     allgather_object,
     broadcast_global_variables,
@@ -55,40 +56,42 @@ from .. import (  # noqa: F401 - re-exported API
     weighted_average,
 )
 from . import callbacks
-from .optimizer import DistributedOptimizer, load_model
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
-              compression=Compression.none, process_set: ProcessSet = global_process_set):
-    """The reduction of ``value`` over the ranks (default op: Average), as a numpy array."""
-    return mpi_ops.allreduce(tf.constant(value), average=average, compression=compression,
-                             op=op, prescale_factor=prescale_factor,
+              compression=Compression.none,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """The reduction of ``value`` over the ranks (default op: Average)."""
+    return mpi_ops.allreduce(tf.convert_to_tensor(value), average=average,
+                             compression=compression, op=op, prescale_factor=prescale_factor,
                              postscale_factor=postscale_factor, name=name,
-                             process_set=process_set).numpy()
+                             process_set=process_set)
 
 
-def allgather(value, name=None, process_set: ProcessSet = global_process_set) -> np.ndarray:
-    """Every rank's ``value`` concatenated along the first dimension, as a numpy array."""
-    return mpi_ops.allgather(tf.constant(value), name=name, process_set=process_set).numpy()
+def allgather(value, name=None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's ``value`` concatenated along the first dimension."""
+    return mpi_ops.allgather(tf.convert_to_tensor(value), name=name, process_set=process_set)
 
 
 def broadcast(value, root_rank: int, name=None,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
-    """``root_rank``'s ``value`` on every rank, as a numpy array."""
-    return mpi_ops.broadcast(tf.constant(value), root_rank, name=name,
-                             process_set=process_set).numpy()
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s ``value`` on every rank."""
+    return mpi_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name,
+                             process_set=process_set)
 
 
 def reducescatter(value, name=None, op=Average,
-                  process_set: ProcessSet = global_process_set) -> np.ndarray:
-    """This rank's block of rows of the reduction of ``value`` over the ranks, as numpy."""
-    return mpi_ops.reducescatter(tf.constant(value), op=op, name=name,
-                                 process_set=process_set).numpy()
+                  process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """This rank's block of rows of the reduction of ``value`` over the ranks."""
+    return mpi_ops.reducescatter(tf.convert_to_tensor(value), op=op, name=name,
+                                 process_set=process_set)
 
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max",
-    "Min", "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object",
+    "Min", "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",
+    "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
     "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object",
     "broadcast_variables", "callbacks", "cross_rank", "cross_size", "global_process_set", "init",
     "is_homogeneous", "is_initialized", "load_model", "local_rank", "local_size", "mpi_built",

@@ -27,17 +27,29 @@ __all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, give every rank ``root_rank``'s model and optimizer variables
-    (random initializations differ; a checkpoint may have been restored on the root only).
+    (random initializations differ; a checkpoint may have been restored on the root only), but
+    those in ``local_variables`` (a variable or a list of them), which each rank keeps.
 
     Keras 3 builds the model and the optimizer before ``on_train_begin``, so no step runs on
     unsynchronized weights.
     """
 
-    def __init__(self, root_rank: int, device: str = ""):
+    def __init__(self, root_rank: int, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, (list, tuple, set)):
+            local_variables = [local_variables]
+        if not all(isinstance(v, (tf.Variable, keras.Variable)) for v in local_variables):
+            raise ValueError("local_variables must be variables (tf.Variable or keras.Variable)")
+        self._local = {id(v) for v in local_variables}
+
+    def register_local_var(self, var) -> None:
+        """Leave ``var`` out of the broadcast: each rank keeps its own value."""
+        self._local.add(id(var))
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
@@ -46,7 +58,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variables = list(self.model.variables)
             if self.model.optimizer is not None:
                 variables += list(self.model.optimizer.variables)
-            broadcast_variables(variables, self.root_rank)
+            broadcast_variables([v for v in variables if id(v) not in self._local],
+                                self.root_rank)
         self.broadcast_done = True
 
 

@@ -25,9 +25,10 @@ import keras
 import tensorflow as tf
 
 from ...common.basics import ProcessSet, global_process_set
-from ...common.types import Average
+from ...common.types import Average, Sum
 from ..compression import Compression
 from ..gradients import GradientReducer
+from ..tape import local_layer_variables
 
 
 class _DistributedOptimizer:
@@ -116,6 +117,34 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name=None, devic
     by N). ``compression``, ``sparse_as_dense``, ``gradient_predivide_factor`` and ``groups`` are
     those of ``DistributedGradientTape``.
     """
+    return _wrap(optimizer, name, backward_passes_per_step, average_aggregated_gradients,
+                 device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+                 sparse_as_dense=sparse_as_dense, op=op,
+                 gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                 groups=groups, process_set=process_set)
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name=None,
+                                device_dense="", device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set: ProcessSet = global_process_set,
+                                local_layers=None, scale_local_gradients=True):
+    """A ``DistributedOptimizer`` that leaves the trainable variables of ``local_layers`` (a
+    Keras layer or a list of them) out of the reduction: each rank updates them with its own
+    gradient, divided by the set size when ``scale_local_gradients`` (as in Horovod)."""
+    if op not in (Average, Sum):
+        raise ValueError("PartialDistributedOptimizer supports op=Average and op=Sum")
+    return _wrap(optimizer, name, backward_passes_per_step, average_aggregated_gradients,
+                 device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+                 sparse_as_dense=sparse_as_dense, op=op,
+                 gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                 process_set=process_set, local_variables=local_layer_variables(local_layers),
+                 scale_local_gradients=scale_local_gradients)
+
+
+def _wrap(optimizer, name, backward_passes_per_step: int, average_aggregated_gradients: bool,
+          **reducer_options):
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer, not "
                         f"{type(optimizer).__name__}")
@@ -124,11 +153,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name=None, devic
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got "
                          f"{backward_passes_per_step!r}")
-    reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}",
-                              device_dense=device_dense, device_sparse=device_sparse,
-                              compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                              gradient_predivide_factor=gradient_predivide_factor,
-                              num_groups=num_groups, groups=groups, process_set=process_set)
+    reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", **reducer_options)
     distributed = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     distributed._hvd_configure(reducer, backward_passes_per_step, average_aggregated_gradients)
     return distributed

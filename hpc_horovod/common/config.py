@@ -33,6 +33,9 @@ def _number(env: Mapping[str, str], name: str, default: float, kind=float):
 @dataclass(frozen=True)
 class Settings:
     fusion_threshold: int = 128 * 1024 * 1024
+    #: bytes of gradients the bindings' DistributedOptimizer / tape reduce as one flat tensor
+    #: (torch DDP's bucket_cap_mb); 0: every gradient on its own
+    bucket_bytes: int = 25 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     timeline: str = ""
@@ -51,6 +54,7 @@ class Settings:
         env = os.environ if env is None else env
         return cls(
             fusion_threshold=_number(env, "HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold, int),
+            bucket_bytes=_number(env, "HOROVOD_BUCKET_BYTES", cls.bucket_bytes, int),
             cycle_time_ms=_number(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms),
             cache_capacity=_number(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int),
             timeline=env.get("HOROVOD_TIMELINE", ""),

@@ -1,9 +1,11 @@
 """Combining one step's gradients across ranks: what DistributedGradientTape and both
 DistributedOptimizers share.
 
-All gradients of a step go through one grouped allreduce (one graph op, one engine submission that
-the engine fuses into as few MPI calls as the fusion threshold allows), not one call per variable;
-``groups`` splits them into several such calls when asked.
+All gradients of a step go through one grouped allreduce (one graph op), not one call per
+variable; ``groups`` splits them into several such calls when asked. Inside a call, dense
+gradients of one dtype are laid end to end in buckets of about ``HOROVOD_BUCKET_BYTES`` (as torch
+DDP's reducer does), so the engine gets one request per bucket, reduced in place in the bucket's
+own memory, and each gradient comes back as a slice of its bucket.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import warnings
 
 import tensorflow as tf
 
+from ..common import basics
 from ..common.basics import ProcessSet, global_process_set
 from ..common.types import Average
 from .compression import Compression
@@ -116,17 +119,73 @@ class GradientReducer:
                                            (sparse, 1.0, 1.0)):
                     if not members:
                         continue
+                    buckets = (_buckets([grads[i] for i in members], self._bucket_bytes())
+                               if members is dense else [[k] for k in range(len(members))])
+                    tensors = [_flatten([grads[members[k]] for k in bucket])
+                               for bucket in buckets]
                     reduced = grouped_allreduce(
-                        [grads[i] for i in members], device_dense=self.device_dense,
+                        tensors, device_dense=self.device_dense,
                         device_sparse=self.device_sparse, compression=self.compression,
                         op=self.op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-                    for i, g in zip(members, reduced):
-                        grads[i] = g
+                    for bucket, flat in zip(buckets, reduced):
+                        parts = _unflatten(flat, [grads[members[k]] for k in bucket])
+                        for k, g in zip(bucket, parts):
+                            grads[members[k]] = g
         if self.scale_local_gradients:
             for i in local:
                 if grads[i] is not None:
                     grads[i] = _scale(grads[i], 1.0 / ps.size())
         return grads
+
+
+    @staticmethod
+    def _bucket_bytes() -> int:
+        return basics.settings().bucket_bytes
+
+
+def _static_bytes(grad) -> int | None:
+    """Bytes of a dense gradient whose shape is known when the graph is built, else None."""
+    shape = grad.shape
+    if not shape.is_fully_defined():
+        return None
+    return shape.num_elements() * grad.dtype.size
+
+
+def _buckets(grads: list, cap: int) -> list[list[int]]:
+    """Positions of ``grads`` in buckets of one dtype of at most ``cap`` bytes each (a gradient
+    larger than ``cap``, or of a shape known only when it runs, alone), filled from the last
+    gradient back (the first ready in a backward pass), as torch DDP does."""
+    closed, open_buckets = [], {}
+    for k in reversed(range(len(grads))):
+        nbytes = _static_bytes(grads[k])
+        if nbytes is None or nbytes >= cap:
+            closed.append([k])
+            continue
+        dtype = grads[k].dtype
+        bucket = open_buckets.get(dtype)
+        if bucket is not None and bucket[0] + nbytes > cap:
+            closed.append(bucket[1])
+            bucket = None
+        if bucket is None:
+            bucket = open_buckets[dtype] = [0, []]
+        bucket[0] += nbytes
+        bucket[1].append(k)
+    return closed + [b[1] for b in open_buckets.values()]
+
+
+def _flatten(grads: list):
+    """One tensor: the gradient itself, or the gradients of a bucket end to end."""
+    if len(grads) == 1:
+        return grads[0]
+    return tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
+
+
+def _unflatten(flat, grads: list) -> list:
+    """``flat`` cut back into tensors of ``grads``' shapes."""
+    if len(grads) == 1:
+        return [flat]
+    sizes = [g.shape.num_elements() for g in grads]
+    return [tf.reshape(part, g.shape) for part, g in zip(tf.split(flat, sizes), grads)]
 
 
 def _scale(grad, factor: float):

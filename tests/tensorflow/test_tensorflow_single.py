@@ -16,7 +16,12 @@ from support import single_process_job  # noqa: E402
 import hpc_horovod.keras as hvd_keras_alias  # noqa: E402
 import hpc_horovod.tensorflow as hvd  # noqa: E402
 import hpc_horovod.tensorflow.keras as hvd_keras  # noqa: E402
-from hpc_horovod.tensorflow.gradients import GradientReducer  # noqa: E402
+from hpc_horovod.tensorflow.gradients import (  # noqa: E402
+    GradientReducer,
+    _buckets,
+    _flatten,
+    _unflatten,
+)
 from hpc_horovod.tensorflow.mpi_ops import _graph_name  # noqa: E402
 
 
@@ -201,3 +206,30 @@ def test_sync_batch_normalization_of_one_process_saves_and_loads(single, tmp_pat
     assert loaded.layers[0].momentum == 0.7
     with pytest.raises(ValueError, match="synchronized"):
         hvd.SyncBatchNormalization(synchronized=True)
+
+
+def test_dense_gradients_go_in_buckets_of_one_dtype_from_the_last_back():
+    """The tape's buckets: one dtype each, at most the cap, filled from the last gradient back;
+    a gradient over the cap, or of a shape known only when the graph runs, alone."""
+    f32 = [tf.zeros([4]), tf.zeros([2, 2]), tf.zeros([100]), tf.zeros([1])]  # 16, 16, 400, 4 B
+    half = tf.zeros([8], tf.float16)
+    assert _buckets(f32, 40) == [[2], [3, 1, 0]]
+    assert _buckets(f32, 20) == [[2], [3, 1], [0]]
+    assert _buckets(f32, 0) == [[3], [2], [1], [0]]  # HOROVOD_BUCKET_BYTES=0: none shared
+    assert _buckets([f32[0], half, f32[1]], 1 << 20) == [[2, 0], [1]]
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def unknown(x):
+        assert _buckets([x, f32[0], f32[1]], 1 << 20) == [[0], [2, 1]]
+        return x
+
+    unknown(tf.ones([3]))
+
+
+def test_a_bucket_flattens_and_cuts_back_to_the_gradients():
+    grads = [tf.reshape(tf.range(6.0), [2, 3]), tf.constant([7.0]), tf.constant([[8.0], [9.0]])]
+    flat = _flatten(grads)
+    assert flat.numpy().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    for back, grad in zip(_unflatten(flat, grads), grads):
+        assert back.shape == grad.shape and np.array_equal(back.numpy(), grad.numpy())
+    assert _flatten(grads[:1]) is grads[0] and _unflatten(grads[0], grads[:1]) == [grads[0]]

@@ -79,6 +79,10 @@ def train_with_tape(kwargs: dict, graph_ops: int):
                                        tf.TensorSpec([None], tf.int32)).graph
     ops = [op.name for op in graph.get_operations() if op.type == "PyFunc"]
     assert len(ops) == graph_ops, (kwargs, ops)
+    # the dense gradients travel as buckets: laid end to end (one request per bucket)
+    concats = [op.name for op in graph.get_operations()
+               if op.type == "ConcatV2" and "_Allreduce" in op.name]
+    assert concats, (kwargs, [op.name for op in graph.get_operations()])
 
 
 def check_tape_equals_large_batch():

@@ -4,13 +4,10 @@ autograd functions whose gradients are the matching collectives.
 
 Every op turns its tensors into numpy views (``adapter``), builds the core's requests and hands
 them to the engine; :func:`synchronize` waits and turns the engine's arrays back into tensors.
-With the native extension, ``allreduce_async``, ``allreduce_async_`` and ``synchronize`` do
-that in C for contiguous CPU tensors (see the end of this module).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -20,18 +17,13 @@ from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
 from ..common.types import Average, Sum
-from .adapter import NUMPY_DTYPES, engine_array, to_torch, write_back
+from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
 
-try:  # optional native fast path (src_native/); the package works without it
-    from .. import _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
-#: torch handle -> the function turning the engine's results into the op's output, for an op of
-#: one engine request (whose handle is the torch handle), or (engine handles, that function) for
-#: a group. The engine's requests hold the numpy views, which keep the tensors' memory alive.
-_handle_map: dict[int, Callable[[list], object] | tuple[list[int], Callable[[list], object]]] = {}
+#: torch handle (the handle of the op's first engine request) -> (the op's engine handles, the
+#: function turning their results into the op's output). The engine's requests hold the numpy
+#: views, which keep the tensors' memory alive until the op finishes.
+_handle_map: dict[int, tuple[list[int], Callable[[list], object]]] = {}
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -80,7 +72,7 @@ def _cpu_result(results: list) -> torch.Tensor:
 
 def _register(engine_handles: list[int], finish: Callable[[list], object]) -> int:
     handle = engine_handles[0]
-    _handle_map[handle] = finish if len(engine_handles) == 1 else (engine_handles, finish)
+    _handle_map[handle] = (engine_handles, finish)
     return handle
 
 
@@ -103,14 +95,10 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    array = engine_array(tensor, "allreduce")
-    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
-                                  process_set, False)
-    if handle is None:
-        handle = _submit_one(ops.allreduce_request(
-            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, process_set=process_set))
-    return _register([handle], _result_on(tensor))
+    req = ops.allreduce_request(engine_array(tensor, "allreduce"), name=name, op=op,
+                                average=average, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -118,13 +106,11 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    handle = ops.native_allreduce(array, name, op, average, prescale_factor, postscale_factor,
-                                  process_set, True)
-    if handle is None:
-        handle = _submit_one(ops.allreduce_request(
-            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, process_set=process_set, output=array))
-    return _register([handle], lambda results: write_back(results[0], tensor, array))
+    req = ops.allreduce_request(array, name=name, op=op, average=average,
+                                prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set,
+                                output=array)
+    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
 @synchronous
@@ -530,11 +516,10 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 def _entry(handle: int) -> tuple[list[int], Callable[[list], object]]:
     try:
-        entry = _handle_map[handle]
+        return _handle_map[handle]
     except (KeyError, TypeError):
         raise ValueError(f"handle {handle!r} was not returned by an async op of "
                          "hpc_horovod.torch, or it was already synchronized") from None
-    return entry if isinstance(entry, tuple) else ([handle], entry)
 
 
 def poll(handle: int) -> bool:
@@ -568,27 +553,6 @@ def _result(req):
 
         stream_wait(torch.cuda.current_stream().cuda_stream, req.done_event)
     return req.result
-
-
-if _native is not None:
-    # The same three functions with their common case in C (src_native/entry.c and
-    # torch_view.c): a contiguous CPU tensor goes to the engine's lane as a numpy view of its
-    # memory, built from its dtype, address and shape, and its handle is registered here with
-    # a C finishing step; anything else runs the Python functions above. A gradient's way in
-    # and out cost 3-7 us in Python, most of it outside the engine (``tensor.numpy()`` alone
-    # is 1.2 us).
-    def _native_entry(kind: str, fallback: Callable, **torch_args) -> Callable:
-        return functools.update_wrapper(
-            _native.Entry(kind, fallback, vars(basics), handle_map=_handle_map, **torch_args),
-            fallback)
-
-    allreduce_async = _native_entry(
-        "allreduce_async", allreduce_async, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=to_torch)
-    allreduce_async_ = _native_entry(
-        "allreduce_async_", allreduce_async_, process_set=global_process_set,
-        tensor_type=torch.Tensor, dtypes=NUMPY_DTYPES, finish=write_back)
-    synchronize = _native_entry("synchronize", synchronize)
 
 
 def join(device: int = -1) -> int:

@@ -16,7 +16,7 @@ import torch
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
-from ..common.types import Average, Sum
+from ..common.types import Adasum, Average, Sum
 from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
 
@@ -221,10 +221,27 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: str |
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
+class SparseHandle:
+    """The handle of :func:`sparse_allreduce_async`: calling it waits for the reduced sparse
+    tensor (as Horovod's handle does); :func:`poll` and :func:`synchronize` take it too."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __call__(self) -> torch.Tensor:
+        return synchronize(self)
+
+    def __repr__(self) -> str:
+        return f"SparseHandle({self.handle})"
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Average,
-                           process_set: ProcessSet = global_process_set) -> int:
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (duplicates add
-    up when the result is used); Average divides the values by the number of ranks."""
+    up when the result is used); Average divides the values by the number of ranks. Returns a
+    callable handle: ``handle()`` is the reduced sparse tensor."""
     if not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async needs a sparse COO tensor; use allreduce_async "
                          "for dense tensors")
@@ -247,7 +264,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
                                        check_invariants=False)
 
-    return _register(_submit(reqs), finish)
+    return SparseHandle(_register(_submit(reqs), finish))
 
 
 # -- allgather ------------------------------------------------------------------------------------
@@ -435,10 +452,17 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reduction whose result rows are split over the ranks (first ranks get one more
     row when dim 0 does not divide)."""
+    _check_reducescatter_op(op)
     req = ops.reducescatter_request(engine_array(tensor, "reducescatter"), name=name, op=op,
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
     return _register([_submit_one(req)], _result_on(tensor))
+
+
+def _check_reducescatter_op(op) -> None:
+    """Adasum has no reduce-scatter form; Horovod reports it as a RuntimeError."""
+    if op == Adasum:
+        raise RuntimeError("reducescatter does not support Adasum: use op=Sum or op=Average")
 
 
 def _reducescatter_grad(grad: torch.Tensor, op, prescale: float, postscale: float,
@@ -477,6 +501,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     tensors = _nonempty(tensors, "grouped_reducescatter")
+    _check_reducescatter_op(op)
     names = ops.group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
     reqs = [ops.reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
                                       process_set=process_set, prescale_factor=prescale_factor,
@@ -514,7 +539,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 # -- handles and synchronization ------------------------------------------------------------------
 
-def _entry(handle: int) -> tuple[list[int], Callable[[list], object]]:
+def _entry(handle: int | SparseHandle) -> tuple[list[int], Callable[[list], object]]:
+    if isinstance(handle, SparseHandle):
+        handle = handle.handle
     try:
         return _handle_map[handle]
     except (KeyError, TypeError):
@@ -532,7 +559,7 @@ def synchronize(handle: int):
     """Wait for ``handle``; return its output tensor (a list for grouped ops, a tuple
     ``(output, received_splits)`` for alltoall). Raises ``HorovodInternalError`` on failure."""
     engine_handles, finish = _entry(handle)
-    del _handle_map[handle]
+    del _handle_map[engine_handles[0]]
     engine = basics.engine()
     if len(engine_handles) == 1:  # the common case, kept short
         return finish([_result(engine.wait(engine_handles[0]))])

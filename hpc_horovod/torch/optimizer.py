@@ -298,8 +298,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return handle, ctx
 
     def _apply(self, p: torch.Tensor, output, ctx) -> None:
-        if callable(output):  # a sparse allreduce's handle gives the result when called
-            output = output()
         grad = self._compression.decompress(output, ctx)
         if p.grad.is_sparse:
             # Sparse gradients do not support set_; zero and add is equivalent.
@@ -329,7 +327,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     for p, view in key.densified:
                         p.grad.zero_().add_(view.to_sparse())
                 else:
-                    self._apply(key, handle if callable(handle) else synchronize(handle), ctx)
+                    self._apply(key, synchronize(handle), ctx)
             except BaseException as exc:  # wait for every handle before raising
                 error = error or exc
         for bucket in self._buckets:

@@ -145,7 +145,8 @@ def bucketed_run(cap, set_to_none_steps=(0,), compression=hvd.Compression.none):
 
 
 def same(p, q, rtol=1e-6):
-    """Equal bits on 2 ranks (a sum of two does not depend on the order), close on more."""
+    """Equal bits on 2 ranks (a sum of two does not depend on the order), close on more (the
+    engine may add three ranks' values in any order)."""
     return torch.equal(p, q) if N == 2 else torch.allclose(p, q, rtol=rtol, atol=rtol)
 
 
@@ -173,17 +174,18 @@ def check_buckets():
             assert len(opt._buckets) == 2, [len(b.params) for b in opt._buckets]
         conv_weight = params[0]
         assert conv_weight.grad.is_contiguous(memory_format=torch.channels_last)
-    for cap in (200, 25 * 1024 * 1024):  # 3 ranks: the sum's order may depend on the size
+    for cap in (200, 25 * 1024 * 1024):
         for p, q in zip(results[cap], results[0]):
             assert same(p, q), f"bucket size {cap} changed the result"
     assert_identical_on_all_ranks(nn.ParameterList(results[200]), "buckets")
     # set_to_none every step: each step copies into the bucket and rebinds, same result
     params, _, found = bucketed_run(200, set_to_none_steps=range(4))
     assert found["grads kept"] == [False] * 4, found
-    assert all(torch.equal(p, q) for p, q in zip(params, results[200]))
-    # fp16 compression per bucket: the same as per tensor
+    assert all(same(p, q) for p, q in zip(params, results[200]))
+    # fp16 compression per bucket: as per tensor (float16 sums are rounded where the engine's
+    # path for the group's size scales them, so not to the bit)
     compressed = [bucketed_run(cap, compression=hvd.Compression.fp16)[0] for cap in (0, 200)]
-    assert all(same(p, q, 1e-3) for p, q in zip(*compressed))
+    assert all(torch.allclose(p, q, rtol=1e-3, atol=1e-3) for p, q in zip(*compressed))
     # a bad bucket size is named
     os.environ["HOROVOD_BUCKET_BYTES"] = "25MB"
     try:

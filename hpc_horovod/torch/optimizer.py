@@ -4,10 +4,11 @@ The wrapper is a subclass of the wrapped optimizer's own class (as in Horovod), 
 ``isinstance`` checks, LR schedulers and ``state_dict`` keep working.
 
 Gradients are reduced in buckets, as torch's DistributedDataParallel does: the parameters, in
-reverse order (the order backward produces their gradients), fill buckets of at most
-``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB) of one dtype on one device. Each bucket owns one
-flat tensor, and after its first reduction every ``p.grad`` of the bucket is a view into it, so
-that backward accumulates straight into the bucket. A hook on each parameter counts the
+reverse order (the order backward produces their gradients), fill buckets of one dtype on one
+device, each closed once it holds ``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB; 1 MiB for the
+first bucket of each dtype and device, so that the first reduction starts early). Each bucket
+owns one flat tensor, and after its first reduction every ``p.grad`` of the bucket is a view
+into it, so that backward accumulates straight into the bucket. A hook on each parameter counts the
 gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
@@ -33,6 +34,9 @@ from .mpi_ops import allreduce_async_, sparse_allreduce_async, synchronize
 #: the bucket size variable and its default (torch DDP's ``bucket_cap_mb=25``)
 BUCKET_BYTES_VAR = "HOROVOD_BUCKET_BYTES"
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: the first bucket of each dtype and device is closed earlier (as DDP's first bucket), so
+#: that the first reduction starts while backward still runs
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
@@ -151,17 +155,18 @@ def _split(items: list, n: int) -> list[list]:
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
-def _by_kind(params: list, cap: float) -> list[list]:
+def _by_kind(params: list, cap: float, first_cap: float) -> list[list]:
     """``params`` in order, in buckets of one dtype and device closed once they hold ``cap``
-    bytes."""
-    closed, open_buckets = [], {}
+    bytes (``first_cap`` for the first bucket of each dtype and device)."""
+    closed, open_buckets, started = [], {}, set()
     for p in params:
         key = (p.dtype, p.device)
         bucket = open_buckets.setdefault(key, [[], 0])
         bucket[0].append(p)
         bucket[1] += p.numel() * p.element_size()
-        if bucket[1] >= cap:
+        if bucket[1] >= (cap if key in started else first_cap):
             closed.append(bucket[0])
+            started.add(key)
             del open_buckets[key]
     return closed + [b[0] for b in open_buckets.values()]
 
@@ -213,7 +218,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self._groups is None:
-            buckets = _by_kind(params[::-1], bucket_bytes())
+            cap = bucket_bytes()
+            buckets = _by_kind(params[::-1], cap, min(cap, FIRST_BUCKET_BYTES))
         else:
             # Every rank must form the same groups: order the parameters as rank 0 does.
             order = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,
@@ -228,7 +234,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 p_groups = _split(params, self._groups)
             # a group is reduced as one bucket of each dtype and device it holds
-            buckets = [b for group in p_groups for b in _by_kind(group, float("inf"))]
+            buckets = [b for group in p_groups
+                       for b in _by_kind(group, float("inf"), float("inf"))]
         for members in buckets:
             bucket = _Bucket(members, f"bucket.{self._parameter_names[members[0]]}")
             self._buckets.append(bucket)

@@ -329,3 +329,17 @@ def test_submissions_never_let_go_of_the_gil(single, name):
         lambda: [submit(t, name=f"gil.{i}", op=hvd.Sum) for i, t in enumerate(tensors)])
     for handle in handles:
         hvd.synchronize(handle)
+
+
+def test_buckets_split_by_kind_and_size_with_a_smaller_first_bucket():
+    from hpc_horovod.torch.optimizer import _by_kind
+
+    f32 = [torch.zeros(256) for _ in range(6)]  # 1 KiB each
+    f64 = [torch.zeros(128, dtype=torch.float64) for _ in range(2)]
+    params = [f32[0], f64[0], *f32[1:4], f64[1], *f32[4:]]
+    buckets = _by_kind(params, cap=3072, first_cap=1024)
+    ids = [[id(p) for p in b] for b in buckets]
+    assert ids == [[id(f32[0])], [id(f64[0])], [id(p) for p in f32[1:4]],
+                   [id(f64[1])], [id(p) for p in f32[4:]]]
+    # no cap: one bucket per dtype, in order
+    assert [len(b) for b in _by_kind(params, float("inf"), float("inf"))] == [6, 2]

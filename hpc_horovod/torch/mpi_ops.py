@@ -76,6 +76,12 @@ def _register(engine_handles: list[int], finish: Callable[[list], object]) -> in
     return handle
 
 
+def _op_name(kind: str, name: str | None) -> str | None:
+    """A user's name for an op, prefixed with the op's kind as Horovod's torch binding does
+    (``allreduce.loss``: the name timelines show; ops of different kinds may share a name)."""
+    return name if name is None else f"{kind}.{name}"
+
+
 def _nonempty(tensors: Sequence, op_name: str) -> list:
     tensors = list(tensors)
     if not tensors:
@@ -95,8 +101,9 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    req = ops.allreduce_request(engine_array(tensor, "allreduce"), name=name, op=op,
-                                average=average, prescale_factor=prescale_factor,
+    req = ops.allreduce_request(engine_array(tensor, "allreduce"),
+                                name=_op_name("allreduce", name), op=op, average=average,
+                                prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -106,7 +113,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    req = ops.allreduce_request(array, name=name, op=op, average=average,
+    req = ops.allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 output=array)
@@ -252,8 +259,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
                                                           "sparse_allreduce")
     indices = engine_array(coalesced.indices().t().contiguous(), "sparse_allreduce_async")
     values = engine_array(coalesced.values(), "sparse_allreduce_async")
-    reqs = [ops.allgather_request(indices, name=f"{base}.indices", process_set=process_set),
-            ops.allgather_request(values, name=f"{base}.values", process_set=process_set)]
+    reqs = [ops.allgather_request(indices, name=f"allgather.{base}.indices",
+                                  process_set=process_set),
+            ops.allgather_request(values, name=f"allgather.{base}.values",
+                                  process_set=process_set)]
     device, shape = tensor.device, tensor.shape
 
     def finish(results):
@@ -272,7 +281,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    req = ops.allgather_request(engine_array(tensor, "allgather"), name=name,
+    req = ops.allgather_request(engine_array(tensor, "allgather"), name=_op_name("allgather", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -352,7 +361,8 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of ``root_rank``'s tensor (``tensor`` is not modified)."""
-    req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank, name=name,
+    req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank,
+                                name=_op_name("broadcast", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -361,7 +371,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast into ``tensor``."""
     array = engine_array(tensor, "broadcast_", inplace=True)
-    req = ops.broadcast_request(array, root_rank, name=name, process_set=process_set,
+    req = ops.broadcast_request(array, root_rank, name=_op_name("broadcast", name),
+                                process_set=process_set,
                                 output=array)
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
@@ -403,7 +414,8 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    req = ops.alltoall_request(engine_array(tensor, "alltoall"), splits, name=name,
+    req = ops.alltoall_request(engine_array(tensor, "alltoall"), splits,
+                               name=_op_name("alltoall", name),
                                process_set=process_set)
     device = tensor.device
 
@@ -453,7 +465,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
     """Start a reduction whose result rows are split over the ranks (first ranks get one more
     row when dim 0 does not divide)."""
     _check_reducescatter_op(op)
-    req = ops.reducescatter_request(engine_array(tensor, "reducescatter"), name=name, op=op,
+    req = ops.reducescatter_request(engine_array(tensor, "reducescatter"),
+                                    name=_op_name("reducescatter", name), op=op,
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
     return _register([_submit_one(req)], _result_on(tensor))

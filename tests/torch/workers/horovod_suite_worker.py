@@ -6,6 +6,7 @@ allreduce handles, scaled grouped reducescatter, join, barriers, objects on proc
 
 import inspect
 import itertools
+import json
 import sys
 import tempfile
 import time
@@ -504,6 +505,27 @@ def check_optimizer_on_a_process_set():
             assert not torch.allclose(other, v)
 
 
+def check_timeline():
+    """A timeline started and stopped at run time shows the op under its Horovod name
+    (``allreduce.<name>``), its negotiation and, when asked, the engine's cycles."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, mark_cycles in enumerate((True, False, True)):
+            path = Path(tmp) / f"timeline{i}.json"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # best with HOROVOD_TIMELINE
+                hvd.start_timeline(str(path), mark_cycles=mark_cycles)
+            time.sleep(0.1)
+            hvd.allreduce(torch.tensor([1.0, 2.0, 3.0]), name="test_allreduce")
+            time.sleep(0.1)
+            hvd.stop_timeline()
+            if R == 0:
+                text = path.read_text()
+                json.loads(text)
+                for expected in ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE"):
+                    assert expected in text, (expected, text)
+                assert ("CYCLE_START" in text) == mark_cycles, text
+
+
 def check_reinit():
     rank, size = hvd.rank(), hvd.size()
     hvd.shutdown()
@@ -535,6 +557,7 @@ for name, check in [
     ("join_allreduce", check_join_allreduce),
     ("duplicate_names", check_duplicate_names),
     ("mismatch_errors", check_mismatch_errors),
+    ("timeline", check_timeline),
     ("reinit", check_reinit),
 ]:
     if CHECKS and name not in CHECKS:

@@ -37,6 +37,18 @@ def broadcast_parameters(params, root_rank: int,
         synchronize(handle)
 
 
+def _zero_gradient(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    grad = torch.zeros_like(p)
+    return grad.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else grad
+
+
+def _zero_missing_gradients(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = _zero_gradient(optimizer, p)
+
+
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state of an optimizer that has not stepped yet: one step on zero gradients,
     after which parameters and gradients are restored (so weight decay leaves no trace)."""
@@ -45,9 +57,7 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if p.requires_grad:
                 saved.append((p, p.detach().clone(), p.grad))
-                grad = torch.zeros_like(p)
-                p.grad = grad.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) \
-                    else grad
+                p.grad = _zero_gradient(optimizer, p)
     # A DistributedOptimizer's own step would allreduce, which every rank would have to join.
     step = getattr(optimizer, "_local_step", optimizer.step)
     step()
@@ -60,9 +70,14 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyper-parameters (e.g. after the root
-    resumed from a checkpoint). Works for optimizers that have not stepped yet."""
+    resumed from a checkpoint). Works for optimizers that have not stepped yet; on such a rank,
+    every parameter that requires grad and has none gets a zero gradient afterwards (as in
+    Horovod, whose state initialization leaves them), while the parameters and the state stay
+    untouched."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state:
+        _zero_missing_gradients(optimizer)
     root_has_state = broadcast_object(bool(optimizer.state), root_rank,
                                       name="optimizer_state.has_state", process_set=process_set)
     if root_has_state and not optimizer.state:

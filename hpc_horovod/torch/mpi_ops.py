@@ -4,8 +4,6 @@ autograd functions whose gradients are the matching collectives.
 
 Every op turns its tensors into numpy views (``adapter``), builds the core's requests and hands
 them to the engine; :func:`synchronize` waits and turns the engine's arrays back into tensors.
-With the native extension, ``allreduce_async``, ``allreduce_async_`` and ``synchronize`` do
-that in C for contiguous CPU tensors (see the end of this module).
 """
 
 from __future__ import annotations
@@ -18,19 +16,14 @@ import torch
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
-from ..common.types import Average, Sum
+from ..common.types import Adasum, Average, Sum
 from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
 
-try:  # optional native fast path (src_native/); the package works without it
-    from .. import _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
-#: torch handle -> the function turning the engine's results into the op's output, for an op of
-#: one engine request (whose handle is the torch handle), or (engine handles, that function) for
-#: a group. The engine's requests hold the numpy views, which keep the tensors' memory alive.
-_handle_map: dict[int, Callable[[list], object] | tuple[list[int], Callable[[list], object]]] = {}
+#: torch handle (the handle of the op's first engine request) -> (the op's engine handles, the
+#: function turning their results into the op's output). The engine's requests hold the numpy
+#: views, which keep the tensors' memory alive until the op finishes.
+_handle_map: dict[int, tuple[list[int], Callable[[list], object]]] = {}
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -81,8 +74,14 @@ def _cpu_result(results: list) -> torch.Tensor:
 
 def _register(engine_handles: list[int], finish: Callable[[list], object]) -> int:
     handle = engine_handles[0]
-    _handle_map[handle] = finish if len(engine_handles) == 1 else (engine_handles, finish)
+    _handle_map[handle] = (engine_handles, finish)
     return handle
+
+
+def _op_name(kind: str, name: str | None) -> str | None:
+    """A user's name for an op, prefixed with the op's kind as Horovod's torch binding does
+    (``allreduce.loss``: the name timelines show; ops of different kinds may share a name)."""
+    return name if name is None else f"{kind}.{name}"
 
 
 def _nonempty(tensors: Sequence, op_name: str) -> list:
@@ -104,11 +103,11 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    array = engine_array(tensor, "allreduce")
-    handle = _submit_one(ops.allreduce_request(
-            array, name=name, op=op, average=average, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, process_set=process_set))
-    return _register([handle], _result_on(tensor))
+    req = ops.allreduce_request(engine_array(tensor, "allreduce"),
+                                name=_op_name("allreduce", name), op=op, average=average,
+                                prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
+    return _register([_submit_one(req)], _result_on(tensor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None, op=None,
@@ -116,10 +115,11 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    handle = _submit_one(ops.allreduce_request(
-        array, name=name, op=op, average=average, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set, output=array))
-    return _register([handle], lambda results: write_back(results[0], tensor, array))
+    req = ops.allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
+                                prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set,
+                                output=array)
+    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
 @synchronous
@@ -230,10 +230,27 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average=None, name: str |
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
+class SparseHandle:
+    """The handle of :func:`sparse_allreduce_async`: calling it waits for the reduced sparse
+    tensor (as Horovod's handle does); :func:`poll` and :func:`synchronize` take it too."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __call__(self) -> torch.Tensor:
+        return synchronize(self)
+
+    def __repr__(self) -> str:
+        return f"SparseHandle({self.handle})"
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Average,
-                           process_set: ProcessSet = global_process_set) -> int:
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (duplicates add
-    up when the result is used); Average divides the values by the number of ranks."""
+    up when the result is used); Average divides the values by the number of ranks. Returns a
+    callable handle: ``handle()`` is the reduced sparse tensor."""
     if not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async needs a sparse COO tensor; use allreduce_async "
                          "for dense tensors")
@@ -244,8 +261,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
                                                           "sparse_allreduce")
     indices = engine_array(coalesced.indices().t().contiguous(), "sparse_allreduce_async")
     values = engine_array(coalesced.values(), "sparse_allreduce_async")
-    reqs = [ops.allgather_request(indices, name=f"{base}.indices", process_set=process_set),
-            ops.allgather_request(values, name=f"{base}.values", process_set=process_set)]
+    reqs = [ops.allgather_request(indices, name=f"allgather.{base}.indices",
+                                  process_set=process_set),
+            ops.allgather_request(values, name=f"allgather.{base}.values",
+                                  process_set=process_set)]
     device, shape = tensor.device, tensor.shape
 
     def finish(results):
@@ -256,7 +275,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape,
                                        check_invariants=False)
 
-    return _register(_submit(reqs), finish)
+    return SparseHandle(_register(_submit(reqs), finish))
 
 
 # -- allgather ------------------------------------------------------------------------------------
@@ -264,7 +283,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    req = ops.allgather_request(engine_array(tensor, "allgather"), name=name,
+    req = ops.allgather_request(engine_array(tensor, "allgather"), name=_op_name("allgather", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -344,7 +363,8 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of ``root_rank``'s tensor (``tensor`` is not modified)."""
-    req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank, name=name,
+    req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank,
+                                name=_op_name("broadcast", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -353,7 +373,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast into ``tensor``."""
     array = engine_array(tensor, "broadcast_", inplace=True)
-    req = ops.broadcast_request(array, root_rank, name=name, process_set=process_set,
+    req = ops.broadcast_request(array, root_rank, name=_op_name("broadcast", name),
+                                process_set=process_set,
                                 output=array)
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
@@ -395,7 +416,8 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    req = ops.alltoall_request(engine_array(tensor, "alltoall"), splits, name=name,
+    req = ops.alltoall_request(engine_array(tensor, "alltoall"), splits,
+                               name=_op_name("alltoall", name),
                                process_set=process_set)
     device = tensor.device
 
@@ -444,10 +466,18 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reduction whose result rows are split over the ranks (first ranks get one more
     row when dim 0 does not divide)."""
-    req = ops.reducescatter_request(engine_array(tensor, "reducescatter"), name=name, op=op,
+    _check_reducescatter_op(op)
+    req = ops.reducescatter_request(engine_array(tensor, "reducescatter"),
+                                    name=_op_name("reducescatter", name), op=op,
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
     return _register([_submit_one(req)], _result_on(tensor))
+
+
+def _check_reducescatter_op(op) -> None:
+    """Adasum has no reduce-scatter form; Horovod reports it as a RuntimeError."""
+    if op == Adasum:
+        raise RuntimeError("reducescatter does not support Adasum: use op=Sum or op=Average")
 
 
 def _reducescatter_grad(grad: torch.Tensor, op, prescale: float, postscale: float,
@@ -486,6 +516,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     tensors = _nonempty(tensors, "grouped_reducescatter")
+    _check_reducescatter_op(op)
     names = ops.group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
     reqs = [ops.reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
                                       process_set=process_set, prescale_factor=prescale_factor,
@@ -523,13 +554,14 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 # -- handles and synchronization ------------------------------------------------------------------
 
-def _entry(handle: int) -> tuple[list[int], Callable[[list], object]]:
+def _entry(handle: int | SparseHandle) -> tuple[list[int], Callable[[list], object]]:
+    if isinstance(handle, SparseHandle):
+        handle = handle.handle
     try:
-        entry = _handle_map[handle]
+        return _handle_map[handle]
     except (KeyError, TypeError):
         raise ValueError(f"handle {handle!r} was not returned by an async op of "
                          "hpc_horovod.torch, or it was already synchronized") from None
-    return entry if isinstance(entry, tuple) else ([handle], entry)
 
 
 def poll(handle: int) -> bool:
@@ -542,7 +574,7 @@ def synchronize(handle: int):
     """Wait for ``handle``; return its output tensor (a list for grouped ops, a tuple
     ``(output, received_splits)`` for alltoall). Raises ``HorovodInternalError`` on failure."""
     engine_handles, finish = _entry(handle)
-    del _handle_map[handle]
+    del _handle_map[engine_handles[0]]
     engine = basics.engine()
     if len(engine_handles) == 1:  # the common case, kept short
         return finish([_result(engine.wait(engine_handles[0]))])

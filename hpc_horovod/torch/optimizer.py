@@ -1,14 +1,25 @@
 """``DistributedOptimizer``: average gradients over ranks while ``backward()`` still runs.
 
 The wrapper is a subclass of the wrapped optimizer's own class (as in Horovod), so
-``isinstance`` checks, LR schedulers and ``state_dict`` keep working. A hook on each parameter
-fires as soon as its gradient is accumulated and starts an in-place ``allreduce_async_`` on
-``p.grad``; the engine reduces it while autograd computes the gradients of earlier layers.
-``step()`` waits for the handles and then runs the wrapped optimizer's update.
+``isinstance`` checks, LR schedulers and ``state_dict`` keep working.
+
+Gradients are reduced in buckets, as torch's DistributedDataParallel does: the parameters, in
+reverse order (the order backward produces their gradients), fill buckets of one dtype on one
+device, each closed once it holds ``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB; 1 MiB for the
+first bucket of each dtype and device, so that the first reduction starts early). Each bucket
+owns one flat tensor, and after its first reduction every ``p.grad`` of the bucket is a view
+into it, so that backward accumulates straight into the bucket. A hook on each parameter counts the
+gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
+tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
+earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
+A gradient that is not a view of its bucket (the first step, after ``zero_grad()`` set it to
+None, or when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
+Sparse gradients are reduced one tensor at a time.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -18,12 +29,14 @@ from ..common.basics import ProcessSet, global_process_set, size
 from ..common.types import Adasum, Average
 from .compression import Compression
 from .functions import broadcast_object
-from .mpi_ops import (
-    allreduce_async_,
-    grouped_allreduce_async_,
-    sparse_allreduce_async,
-    synchronize,
-)
+from .mpi_ops import allreduce_async_, sparse_allreduce_async, synchronize
+
+#: the bucket size variable and its default (torch DDP's ``bucket_cap_mb=25``)
+BUCKET_BYTES_VAR = "HOROVOD_BUCKET_BYTES"
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: the first bucket of each dtype and device is closed earlier (as DDP's first bucket), so
+#: that the first reduction starts while backward still runs
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
@@ -60,10 +73,102 @@ def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict
     return {v: k for k, v in sorted(named_parameters, key=lambda item: item[0])}
 
 
+def bucket_bytes() -> int:
+    """The bucket size from ``HOROVOD_BUCKET_BYTES`` (0: every gradient in a bucket of its own)."""
+    value = os.environ.get(BUCKET_BYTES_VAR, "").strip()
+    if not value:
+        return DEFAULT_BUCKET_BYTES
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{BUCKET_BYTES_VAR}={value!r} is not an integer number of "
+                         "bytes") from None
+    if parsed < 0:
+        raise ValueError(f"{BUCKET_BYTES_VAR}={value!r} must not be negative")
+    return parsed
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides cover its elements once without gaps (a permuted contiguous
+    tensor, e.g. channels_last): a bucket view can then have the parameter's own strides."""
+    expected = 1
+    for stride, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+class _Bucket:
+    """Gradients reduced together: one flat tensor, one engine request per reduction.
+
+    The flat tensor is laid out at the bucket's first reduction, when every member's gradient
+    is known: a member whose gradient is sparse leaves the bucket then (reduced on its own).
+    """
+
+    __slots__ = ("params", "name", "flat", "views", "ready", "densified")
+
+    def __init__(self, params: list, name: str):
+        self.params = params
+        self.name = name
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.ready = 0  # members whose gradient is final for this step
+        self.densified: list = []  # (param, view) of sparse gradients reduced as dense
+
+    def lay_out(self) -> None:
+        first = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype,
+                                device=first.device)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if n and _dense_layout(p):
+                view = self.flat.as_strided(p.shape, p.stride(), offset)
+            else:
+                view = self.flat[offset:offset + n].view(p.shape)
+            self.views.append(view)
+            offset += n
+
+    def fill(self) -> None:
+        """Make every member's gradient its view of the flat tensor (copying it in where it is
+        elsewhere; zeros for a gradient this rank did not compute, as Horovod submits)."""
+        self.densified.clear()
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+                p.grad = view
+            elif grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
+                view.copy_(grad.to_dense())
+                self.densified.append((p, view))
+            else:
+                view.copy_(grad)
+                p.grad = view
+
+
 def _split(items: list, n: int) -> list[list]:
     """``n`` consecutive chunks of nearly equal length."""
     d, r = divmod(len(items), n)
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def _by_kind(params: list, cap: float, first_cap: float) -> list[list]:
+    """``params`` in order, in buckets of one dtype and device closed once they hold ``cap``
+    bytes (``first_cap`` for the first bucket of each dtype and device)."""
+    closed, open_buckets, started = [], {}, set()
+    for p in params:
+        key = (p.dtype, p.device)
+        bucket = open_buckets.setdefault(key, [[], 0])
+        bucket[0].append(p)
+        bucket[1] += p.numel() * p.element_size()
+        if bucket[1] >= (cap if key in started else first_cap):
+            closed.append(bucket[0])
+            started.add(key)
+            del open_buckets[key]
+    return closed + [b[0] for b in open_buckets.values()]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -84,9 +189,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         if op == Average else (1.0, 1.0))
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        #: bucket or parameter reduced on its own -> (handle, compression context)
         self._handles: dict = {}
         self._hook_handles = []
         self._requires_update: list[torch.Tensor] = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict = {}  # parameter -> its bucket (None: reduced on its own)
+        self._accumulating = False  # a hook fired since the last synchronize()
         self._synchronized = False
         self._should_synchronize = True
         if groups is not None:
@@ -103,15 +212,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("groups should be a non-negative integer or a list of list of "
                                  "torch.Tensor.")
         self._groups = groups
-        self._p_groups: list[tuple] = []
-        self._p_to_group: dict = {}
-        self._group_counts: dict = {}
         if self.process_set.included() and size() > 1:
             self._register_hooks()
 
     def _register_hooks(self) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        if self._groups is not None:
+        if self._groups is None:
+            cap = bucket_bytes()
+            buckets = _by_kind(params[::-1], cap, min(cap, FIRST_BUCKET_BYTES))
+        else:
             # Every rank must form the same groups: order the parameters as rank 0 does.
             order = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,
                                      name="DistributedOptimizer.order",
@@ -124,110 +233,118 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p_groups += [[p] for p in params if id(p) not in listed]
             else:
                 p_groups = _split(params, self._groups)
-            self._p_groups = [tuple(g) for g in p_groups if g]
-            for group in self._p_groups:
-                for p in group:
-                    self._p_to_group[p] = group
-                self._group_counts[group] = 0
+            # a group is reduced as one bucket of each dtype and device it holds
+            buckets = [b for group in p_groups
+                       for b in _by_kind(group, float("inf"), float("inf"))]
+        for members in buckets:
+            bucket = _Bucket(members, f"bucket.{self._parameter_names[members[0]]}")
+            self._buckets.append(bucket)
+            for p in members:
+                self._bucket_of[p] = bucket
         for p in params:
             self._requires_update.append(p)
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     # -- hooks and reductions -------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
-        entry = self._handles.get(p)
-        if entry is not None and entry[0] is not None and self._allreduce_delay[p] <= 0:
+        if self._allreduce_delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
+        self._accumulating = True
         self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] == 0:
-            if self._groups is None:
-                self._handles[p] = self._allreduce_grad_async(p)
-                return
-            group = self._p_to_group[p]
-            self._group_counts[group] += 1
-            if self._group_counts[group] == len(group):
-                for gp in group:
-                    self._handles.pop(gp, None)
-                self._handles[group] = self._grouped_allreduce_grad_async(group)
-                self._group_counts[group] = 0
-                return
-        self._handles[p] = (None, None)
+        if self._allreduce_delay[p]:
+            return
+        bucket = self._bucket_of[p]
+        if bucket is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._submit(bucket)
 
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
-        """The gradient to reduce: ``p.grad`` itself when it is dense and contiguous (reduced
-        in place), else a dense contiguous copy (e.g. a channels_last layout)."""
-        if p.grad is None:
-            # No gradient here (a branch this rank did not use) but maybe on other ranks:
-            # contribute zeros so that nobody waits for this name forever.
-            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        grad = p.grad
-        if grad.is_sparse:
-            return grad.to_dense() if self.sparse_as_dense else grad
-        return grad if grad.is_contiguous() else grad.contiguous()
+    def _submit(self, bucket: _Bucket) -> None:
+        """Start the bucket's allreduce (laying it out first if it is new)."""
+        if bucket.flat is None:
+            on_own = [p for p in bucket.params if p.grad is not None and p.grad.is_sparse
+                      and not self.sparse_as_dense]
+            for p in on_own:
+                bucket.params.remove(p)
+                self._bucket_of[p] = None
+                if self._allreduce_delay[p] == 0:  # its hook fired: its gradient is final
+                    self._handles[p] = self._allreduce_grad_async(p)
+            if not bucket.params:
+                self._buckets.remove(bucket)
+                return
+            bucket.lay_out()
+        bucket.fill()
+        compressed, ctx = self._compression.compress(bucket.flat)
+        prescale, postscale = self._scales
+        handle = allreduce_async_(compressed, name=bucket.name, op=self.op,
+                                  prescale_factor=prescale, postscale_factor=postscale,
+                                  process_set=self.process_set)
+        self._handles[bucket] = (handle, ctx)
 
     def _allreduce_grad_async(self, p: torch.Tensor):
+        """One parameter's reduction on its own (sparse gradients)."""
         name = self._parameter_names.get(p)
-        grad = self._dense_grad(p)
+        if p.grad is None:  # not computed here but maybe elsewhere: contribute nothing
+            p.grad = torch.sparse_coo_tensor(
+                torch.empty((p.dim(), 0), dtype=torch.int64, device=p.device),
+                torch.empty(0, dtype=p.dtype, device=p.device), p.shape)
+        grad = p.grad
         if grad.is_sparse:
-            return sparse_allreduce_async(grad, name=name, op=self.op,
-                                          process_set=self.process_set), None
+            if not self.sparse_as_dense:
+                return sparse_allreduce_async(grad, name=name, op=self.op,
+                                              process_set=self.process_set), None
+            grad = grad.to_dense()
+        elif not grad.is_contiguous():
+            grad = grad.contiguous()
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scales
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self.process_set)
         return handle, ctx
 
-    def _grouped_allreduce_grad_async(self, group: tuple):
-        grads = [self._dense_grad(p) for p in group]
-        if any(g.is_sparse for g in grads):
-            raise ValueError("groups do not support sparse gradients: pass "
-                             "sparse_as_dense=True to DistributedOptimizer")
-        compressed, ctxs = zip(*[self._compression.compress(g) for g in grads])
-        prescale, postscale = self._scales
-        handle = grouped_allreduce_async_(list(compressed), name=self._parameter_names[group[0]],
-                                          op=self.op, prescale_factor=prescale,
-                                          postscale_factor=postscale,
-                                          process_set=self.process_set)
-        return handle, ctxs
-
-    def _apply(self, p: torch.Tensor, output: torch.Tensor, ctx) -> None:
+    def _apply(self, p: torch.Tensor, output, ctx) -> None:
         grad = self._compression.decompress(output, ctx)
-        self._allreduce_delay[p] = self.backward_passes_per_step
         if p.grad.is_sparse:
             # Sparse gradients do not support set_; zero and add is equivalent.
             p.grad.zero_().add_(grad if grad.is_sparse else grad.to_sparse())
         elif grad is not p.grad:
-            if p.grad.is_contiguous():
-                p.grad.set_(grad)
-            else:
-                p.grad.copy_(grad)  # keep the layout torch chose for this gradient
+            p.grad.copy_(grad)
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting those whose hook did not fire)."""
         if not self.process_set.included():
             self._synchronized = True
             return
-        if self._groups is None:
-            for p in self._requires_update:
-                entry = self._handles.get(p)
-                if entry is None or entry[0] is None:
-                    self._handles[p] = self._allreduce_grad_async(p)
-        else:
-            for group in self._p_groups:
-                if group not in self._handles:
-                    for gp in group:
-                        self._handles.pop(gp, None)
-                    self._handles[group] = self._grouped_allreduce_grad_async(group)
-                self._group_counts[group] = 0
-        for key, (handle, ctx) in self._handles.items():
-            output = synchronize(handle)
-            if isinstance(key, tuple):
-                for gp, gout, gctx in zip(key, output, ctx):
-                    self._apply(gp, gout, gctx)
-            else:
-                self._apply(key, output, ctx)
-        self._handles.clear()
+        for bucket in list(self._buckets):
+            if bucket not in self._handles:
+                self._submit(bucket)
+        for p, bucket in self._bucket_of.items():
+            if bucket is None and p not in self._handles:
+                self._handles[p] = self._allreduce_grad_async(p)
+        handles, self._handles = self._handles, {}
+        error = None
+        for key, (handle, ctx) in handles.items():
+            try:
+                if isinstance(key, _Bucket):
+                    reduced = synchronize(handle)
+                    if reduced is not key.flat:
+                        key.flat.copy_(self._compression.decompress(reduced, ctx))
+                    for p, view in key.densified:
+                        p.grad.zero_().add_(view.to_sparse())
+                else:
+                    self._apply(key, synchronize(handle), ctx)
+            except BaseException as exc:  # wait for every handle before raising
+                error = error or exc
+        for bucket in self._buckets:
+            bucket.ready = 0
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._accumulating = False
         self._synchronized = True
+        if error is not None:
+            raise error
 
     @contextmanager
     def skip_synchronize(self):
@@ -261,12 +378,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._base_class.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        """The wrapped optimizer's ``zero_grad``. With ``set_to_none=False`` the gradients stay
+        views of their buckets (nothing to copy in the next step)."""
+        if self._handles or self._accumulating:
             raise AssertionError(_ZERO_GRAD_RACE)
         return self._base_class.zero_grad(self, set_to_none)
 
     def load_state_dict(self, state_dict) -> None:
         self._handles = {}
+        self._accumulating = False
+        for bucket in self._buckets:
+            bucket.ready = 0
         self._synchronized = False
         self._should_synchronize = True
         self.set_backward_passes_per_step(self.backward_passes_per_step)

@@ -37,3 +37,16 @@ def test_optimizer_matches_one_process_on_the_whole_batch(mpirun, ranks):
     torch's BatchNorm on the whole batch; Horovod's error texts."""
     proc = mpirun(ranks, WORKERS / "optimizer_worker.py", timeout=150)
     assert_every_rank_says(proc, ranks, "torch optimizer ok")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_what_horovods_torch_suite_expects(mpirun, ranks):
+    """The behaviour Horovod's torch test suite checks: RuntimeError for tensors that differ
+    between ranks, ValueError for a rank's own bad arguments and pending names, async handles
+    that poll, callable sparse allreduce handles, scaled grouped reducescatter, join with
+    allreduce, barriers and objects on process sets, and DistributedOptimizer with every torch
+    optimizer (state broadcasts, rank-specific options, gradients missing on a rank, switching
+    requires_grad, clipping, sparse embeddings, a process set), then a re-init."""
+    proc = mpirun(ranks, WORKERS / "horovod_suite_worker.py", timeout=240,
+                  env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    assert_every_rank_says(proc, ranks, "horovod suite ok")

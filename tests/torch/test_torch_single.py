@@ -264,3 +264,82 @@ def test_engine_views_never_let_go_of_the_gil(dtype):
     expected = bfloat16 if dtype == torch.bfloat16 else np.dtype(str(dtype).split(".")[1])
     assert all(v.dtype == expected and v.ctypes.data == t.data_ptr()
                for v, t in zip(views, tensors))
+
+
+# -- the per-tensor async ops: one Python path ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32,
+                                   torch.int64, torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float64])
+def test_async_allreduce_in_and_out_of_place(single, dtype):
+    from hpc_horovod.torch import mpi_ops
+
+    values = torch.arange(1, 13, dtype=torch.float32).reshape(3, 4).to(dtype)
+    tensor = values.clone()
+    out = hvd.synchronize(hvd.allreduce_async(tensor, name="out", op=hvd.Sum,
+                                              prescale_factor=2.0))
+    assert out is not tensor and torch.equal(tensor, values)
+    assert out.dtype == dtype and torch.equal(out, values * 2)
+    handle = hvd.allreduce_async_(tensor, name="in", op=hvd.Sum, prescale_factor=2.0)
+    while not hvd.poll(handle):
+        pass
+    assert hvd.synchronize(handle) is tensor and torch.equal(tensor, values * 2)
+    assert mpi_ops._handle_map == {}
+
+
+VIEWS = {
+    "slice view": lambda: torch.arange(6.0)[2:],
+    "transposed": lambda: torch.arange(6.0).reshape(2, 3).t(),
+    "empty": lambda: torch.ones(0),
+    "0-d": lambda: torch.tensor(3.0),
+    "requires grad": lambda: torch.ones(3, requires_grad=True),
+    "parameter": lambda: torch.nn.Parameter(torch.ones(2)),
+}
+
+
+@pytest.mark.parametrize("make", VIEWS.values(), ids=VIEWS.keys())
+def test_views_and_leaves_reduce_to_their_values(single, make):
+    tensor = make()
+    out = hvd.synchronize(hvd.allreduce_async(tensor, name="view", op=hvd.Sum))
+    assert out.shape == tensor.shape and torch.equal(out, tensor.detach())
+
+
+def test_what_the_engine_cannot_take_is_refused(single):
+    with pytest.raises(RuntimeError, match="negative bit"):  # never read as its memory
+        hvd.allreduce_async(torch._neg_view(torch.arange(1.0, 4.0)), name="neg")
+    with pytest.raises(ValueError, match="not supported"):
+        hvd.allreduce_async(torch.ones(2, dtype=torch.complex64), name="complex")
+    with pytest.raises(TypeError, match="expects a torch.Tensor, got ndarray"):
+        hvd.allreduce_async(np.ones(2, dtype=np.float32), name="numpy")
+    with pytest.raises(ValueError, match="contiguous"):
+        hvd.allreduce_async_(torch.arange(6.0).reshape(2, 3).t(), name="strided")
+    from hpc_horovod.torch import mpi_ops
+
+    assert mpi_ops._handle_map == {}
+
+
+@pytest.mark.parametrize("name", ["allreduce_async", "allreduce_async_"])
+def test_submissions_never_let_go_of_the_gil(single, name):
+    """A submission that releases the GIL lets the engine thread run a cycle in the middle of a
+    step's gradients."""
+    submit = getattr(hvd, name)
+    tensors = [torch.ones(64) for _ in range(100)]
+    hvd.synchronize(submit(torch.ones(64), name="warm-up", op=hvd.Sum))
+    handles = without_letting_go_of_the_gil(
+        lambda: [submit(t, name=f"gil.{i}", op=hvd.Sum) for i, t in enumerate(tensors)])
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
+def test_buckets_split_by_kind_and_size_with_a_smaller_first_bucket():
+    from hpc_horovod.torch.optimizer import _by_kind
+
+    f32 = [torch.zeros(256) for _ in range(6)]  # 1 KiB each
+    f64 = [torch.zeros(128, dtype=torch.float64) for _ in range(2)]
+    params = [f32[0], f64[0], *f32[1:4], f64[1], *f32[4:]]
+    buckets = _by_kind(params, cap=3072, first_cap=1024)
+    ids = [[id(p) for p in b] for b in buckets]
+    assert ids == [[id(f32[0])], [id(f64[0])], [id(p) for p in f32[1:4]],
+                   [id(f64[1])], [id(p) for p in f32[4:]]]
+    # no cap: one bucket per dtype, in order
+    assert [len(b) for b in _by_kind(params, float("inf"), float("inf"))] == [6, 2]

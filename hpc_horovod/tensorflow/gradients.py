@@ -145,10 +145,10 @@ class GradientReducer:
 
 def _static_bytes(grad) -> int | None:
     """Bytes of a dense gradient whose shape is known when the graph is built, else None."""
-    shape = grad.shape
+    shape = tf.TensorShape(grad.shape)
     if not shape.is_fully_defined():
         return None
-    return shape.num_elements() * grad.dtype.size
+    return shape.num_elements() * tf.as_dtype(grad.dtype).size
 
 
 def _buckets(grads: list, cap: int) -> list[list[int]]:
@@ -161,7 +161,7 @@ def _buckets(grads: list, cap: int) -> list[list[int]]:
         if nbytes is None or nbytes >= cap:
             closed.append([k])
             continue
-        dtype = grads[k].dtype
+        dtype = tf.as_dtype(grads[k].dtype)
         bucket = open_buckets.get(dtype)
         if bucket is not None and bucket[0] + nbytes > cap:
             closed.append(bucket[1])
@@ -184,8 +184,9 @@ def _unflatten(flat, grads: list) -> list:
     """``flat`` cut back into tensors of ``grads``' shapes."""
     if len(grads) == 1:
         return [flat]
-    sizes = [g.shape.num_elements() for g in grads]
-    return [tf.reshape(part, g.shape) for part, g in zip(tf.split(flat, sizes), grads)]
+    shapes = [tf.TensorShape(g.shape) for g in grads]
+    parts = tf.split(flat, [shape.num_elements() for shape in shapes])
+    return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
 
 
 def _scale(grad, factor: float):

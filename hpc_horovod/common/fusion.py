@@ -1,12 +1,11 @@
 """Allreduce of groups of agreed tensors through one fusion buffer and one backend call each.
 
-Scaling is folded into the copies that happen anyway: for Sum/Average on floating point the
-prescale, postscale and 1/size factors are applied while packing, so averaging costs no extra
-pass over memory. Results of out-of-place requests are views into the (fresh) fusion buffer, so
-unpacking them copies nothing; in-place requests are written back. A tensor alone in its group
-(a large gradient, or a bucket that is already one flat tensor) is reduced in its own memory,
-without the fusion buffer. float16/bfloat16 are reduced in float32 unless the native extension
-provides MPI operations for them.
+Scaling is folded into the copies that happen anyway: the prescale factor is applied while
+packing, the postscale factor (and Average's 1/size) while unpacking. Results of out-of-place
+requests are views into the (fresh) fusion buffer; in-place requests are written back. A tensor
+alone in its group (a large gradient, or a bucket that is already one flat tensor) is reduced in
+its own memory, without the fusion buffer. float16/bfloat16 are reduced in float32 unless the
+native extension provides MPI operations for them.
 """
 
 from __future__ import annotations
@@ -60,13 +59,12 @@ pool = BufferPool()
 
 
 def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
-    """(factor applied while packing, factor applied after the reduction)."""
-    average = 1.0 / size if sig.op == Average else 1.0
-    dtype = np.dtype(sig.dtype)
-    is_float = dtype.kind == "f" or dtype in HALF_DTYPES
-    if sig.op in (Sum, Average) and is_float:
-        return sig.prescale * sig.postscale * average, 1.0
-    return sig.prescale, sig.postscale * average
+    """(factor applied while packing, factor applied after the reduction), in Horovod's order:
+    each rank's values are prescaled, summed, then postscaled and, for Average, divided by the
+    size. Results are then Horovod's to the bit (a sum of equal values divided afterwards is
+    exact where values divided first are not); the division rides on the copy out of the fusion
+    buffer, or on the one pass an in-place tensor needs anyway."""
+    return sig.prescale, sig.postscale / size if sig.op == Average else sig.postscale
 
 
 def wire_dtype(dtype: np.dtype, op: int, device: bool = False) -> np.dtype:

@@ -540,6 +540,8 @@ ODD_SET = hvd.add_process_set(ODD) if ODD else None
 CHECKS = sys.argv[1:]
 classes = optimizer_classes()
 for name, check in [
+    ("mismatch_errors", check_mismatch_errors),
+    ("duplicate_names", check_duplicate_names),
     ("handles", check_handles),
     ("sparse", check_sparse_allreduce),
     ("grouped_reducescatter", check_grouped_reducescatter_scaling),
@@ -555,8 +557,6 @@ for name, check in [
     ("sparse_embeddings", check_sparse_embeddings),
     ("optimizer_process_set", check_optimizer_on_a_process_set),
     ("join_allreduce", check_join_allreduce),
-    ("duplicate_names", check_duplicate_names),
-    ("mismatch_errors", check_mismatch_errors),
     ("timeline", check_timeline),
     ("reinit", check_reinit),
 ]:

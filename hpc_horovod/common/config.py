@@ -34,7 +34,8 @@ def _number(env: Mapping[str, str], name: str, default: float, kind=float):
 class Settings:
     fusion_threshold: int = 128 * 1024 * 1024
     #: bytes of gradients the bindings' DistributedOptimizer / tape reduce as one flat tensor
-    #: (torch DDP's bucket_cap_mb); 0: every gradient on its own
+    #: (torch DDP's bucket_cap_mb); 0: every gradient on its own. Read when an optimizer or a
+    #: tape is built.
     bucket_bytes: int = 25 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024

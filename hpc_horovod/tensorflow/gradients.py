@@ -14,8 +14,8 @@ import warnings
 
 import tensorflow as tf
 
-from ..common import basics
 from ..common.basics import ProcessSet, global_process_set
+from ..common.config import Settings
 from ..common.types import Average
 from .compression import Compression
 from .mpi_ops import grouped_allreduce
@@ -140,7 +140,7 @@ class GradientReducer:
 
     @staticmethod
     def _bucket_bytes() -> int:
-        return basics.settings().bucket_bytes
+        return Settings.from_env().bucket_bytes
 
 
 def _static_bytes(grad) -> int | None:

@@ -19,21 +19,18 @@ Sparse gradients are reduced one tensor at a time.
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 
 from ..common.basics import ProcessSet, global_process_set, size
+from ..common.config import Settings
 from ..common.types import Adasum, Average
 from .compression import Compression
 from .functions import broadcast_object
 from .mpi_ops import allreduce_async_, sparse_allreduce_async, synchronize
 
-#: the bucket size variable and its default (torch DDP's ``bucket_cap_mb=25``)
-BUCKET_BYTES_VAR = "HOROVOD_BUCKET_BYTES"
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 #: the first bucket of each dtype and device is closed earlier (as DDP's first bucket), so
 #: that the first reduction starts while backward still runs
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -71,21 +68,6 @@ def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict
         raise ValueError("named_parameters was specified, but one or more model parameters were "
                          f"not named. Python object ids: {', '.join(str(i) for i in unnamed)}")
     return {v: k for k, v in sorted(named_parameters, key=lambda item: item[0])}
-
-
-def bucket_bytes() -> int:
-    """The bucket size from ``HOROVOD_BUCKET_BYTES`` (0: every gradient in a bucket of its own)."""
-    value = os.environ.get(BUCKET_BYTES_VAR, "").strip()
-    if not value:
-        return DEFAULT_BUCKET_BYTES
-    try:
-        parsed = int(value)
-    except ValueError:
-        raise ValueError(f"{BUCKET_BYTES_VAR}={value!r} is not an integer number of "
-                         "bytes") from None
-    if parsed < 0:
-        raise ValueError(f"{BUCKET_BYTES_VAR}={value!r} must not be negative")
-    return parsed
 
 
 def _dense_layout(t: torch.Tensor) -> bool:
@@ -218,7 +200,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self._groups is None:
-            cap = bucket_bytes()
+            cap = Settings.from_env().bucket_bytes
             buckets = _by_kind(params[::-1], cap, min(cap, FIRST_BUCKET_BYTES))
         else:
             # Every rank must form the same groups: order the parameters as rank 0 does.

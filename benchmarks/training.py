@@ -237,7 +237,9 @@ def _env(package_dir: Path = ROOT) -> dict:
 
 
 def _result(stdout: str, what: str) -> dict:
-    match = RESULT.search(stdout)  # launchers may tag and interleave the workers' lines
+    # mpirun tags every chunk it reads, and may cut a long line into tagged pieces
+    stdout = re.sub(r"\[\d+,\d+\]<std(?:out|err)>:", "", stdout)
+    match = RESULT.search(stdout)
     if match is None:
         raise RuntimeError(f"{what} printed no result:\n{stdout}")
     return json.loads(match.group(1))

@@ -4,9 +4,10 @@ Outside SLURM it wraps the MPI launcher found on PATH (Open MPI's ``mpirun``, or
 Hydra's ``mpiexec``) with: on this machine, each rank bound to its own equal share of the
 physical cores (``--map-by slot:PE=n --bind-to core``: a rank's engine thread then hands the GIL
 over on a warm core, and torch's thread pool sizes itself to the share), no binding with
-``--oversubscribe`` and ``mpi_yield_when_idle`` when there are more ranks than cores, and no
-binding on other hosts (their cores are not known here); the root flags when run as root,
-output tagged with the rank, and the ``HOROVOD_*`` variables forwarded.
+``--oversubscribe`` when there are more ranks than cores (``mpi_yield_when_idle`` too, and with
+fewer than two cores per rank), and no binding on other hosts (their cores are not known here);
+the root flags when run as root, output tagged with the rank, and the ``HOROVOD_*`` variables
+forwarded.
 Inside a SLURM allocation it uses ``srun`` instead, which knows the allocation's nodes.
 """
 
@@ -111,12 +112,16 @@ def physical_cores() -> int:
 def _binding(np_: int, hosts: list, cores: int) -> list[str]:
     """Open MPI's mapping flags: a share of this machine's cores per rank, else no binding."""
     slots = sum(s for _, s in hosts) if hosts else cores
+    # Each rank runs two busy threads (the training's and the engine's). With fewer than two
+    # cores per rank, Open MPI's waits yield instead of spinning on the core the training needs
+    # (an MCA parameter of this launch's ranks only).
+    yield_flags = ["--mca", "mpi_yield_when_idle", "1"]
     if hosts or np_ > cores:
-        # More ranks than slots share cores: Open MPI's waits then yield instead of spinning
-        # on the core a peer's training needs (an MCA parameter of this launch's ranks only).
         return ["--bind-to", "none", "--map-by", "slot"] + (
-            ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"] if np_ > slots else [])
-    return ["--map-by", f"slot:PE={cores // np_}", "--bind-to", "core"]
+            ["--oversubscribe", *yield_flags] if np_ > slots else [])
+    share = cores // np_
+    return ["--map-by", f"slot:PE={share}", "--bind-to", "core"] + (
+        yield_flags if share < 2 else [])
 
 
 def build_command(args: Launch, env: Mapping[str, str] | None = None,

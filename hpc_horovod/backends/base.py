@@ -36,8 +36,9 @@ class Backend(Protocol):
         """int64 ``values[i]`` sent to rank i; returns what each rank sent to this one."""
 
     # -- data ------------------------------------------------------------------------------------
-    def allreduce(self, buf, op: int) -> None:
-        """In place over every rank's ``buf`` (contiguous)."""
+    def allreduce(self, buf, op: int, send=None) -> None:
+        """Over every rank's ``buf`` (contiguous), in place; or, with ``send`` (host arrays of
+        ``buf``'s shape and dtype), from ``send`` into ``buf``."""
 
     def allgatherv(self, send, recv, counts) -> None:
         """``recv`` = every rank's ``send`` end to end; ``counts[r]`` elements from rank r."""

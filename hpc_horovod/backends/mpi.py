@@ -89,18 +89,20 @@ class MpiBackend(Backend):
         return out
 
     # -- data ------------------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
-        """In place."""
+    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None) -> None:
+        """In place, or from ``send`` (same shape and dtype) into ``buf``."""
+        source = MPI.IN_PLACE if send is None else send.reshape(-1)
         if buf.dtype in HALF_DTYPES:
-            self.comm.Allreduce(MPI.IN_PLACE, _halves(buf), op=_half_sum(buf.dtype, op))
+            self.comm.Allreduce(source if send is None else _halves(send), _halves(buf),
+                                op=_half_sum(buf.dtype, op))
             return
         if _wraps_badly(buf.dtype, op):
-            wide = buf.astype(np.int64)
+            wide = (buf if send is None else send).astype(np.int64)
             self.comm.Allreduce(MPI.IN_PLACE, wide.reshape(-1), op=_OPS[op])
             buf[...] = wide.astype(buf.dtype)  # modulo 2**bits, as the narrow sum would
             return
         mpi_op = _BOOL_OPS[op] if buf.dtype == np.bool_ else _OPS[op]
-        self.comm.Allreduce(MPI.IN_PLACE, buf.reshape(-1), op=mpi_op)
+        self.comm.Allreduce(source, buf.reshape(-1), op=mpi_op)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         item = send.dtype.itemsize

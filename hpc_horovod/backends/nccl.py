@@ -425,10 +425,11 @@ class NcclBackend(MpiBackend):
         return getattr(self._nccl, name)
 
     # -- device data -------------------------------------------------------------------------------
-    def allreduce(self, buf, op: int) -> None:
-        """In-place reduction of ``buf`` over the set."""
+    def allreduce(self, buf, op: int, send=None) -> None:
+        """In-place reduction of ``buf`` over the set (host buffers: from ``send`` when given,
+        as :meth:`MpiBackend.allreduce`)."""
         if isinstance(buf, np.ndarray):
-            return super().allreduce(buf, op)
+            return super().allreduce(buf, op, send)
         _device_array(buf)
         plan = reduction_plan(buf.dtype, op)
         if buf.size == 0:

@@ -315,16 +315,16 @@ def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.
     if req is None:  # a joined rank's share: zeros, and the result is dropped
         backend.allreduce(np.zeros(shape, dtype), op)
         return
-    if req.output is not None:
-        out = req.output
-        if out is not req.tensor:
-            _scale_into(req.tensor, pre, out)
-        else:
-            _scale_inplace(out, pre)
+    out = req.output if req.output is not None else pool.empty(req.tensor.shape,
+                                                                 req.tensor.dtype)
+    if out is req.tensor:
+        _scale_inplace(out, pre)
+        backend.allreduce(out, op)
+    elif pre == 1.0:  # MPI reads the input and writes the result: no copy of ours
+        backend.allreduce(out, op, send=req.tensor)
     else:
-        out = pool.empty(req.tensor.shape, req.tensor.dtype)
         _scale_into(req.tensor, pre, out)
-    backend.allreduce(out, op)
+        backend.allreduce(out, op)
     _scale_inplace(out, post)
     req.result = out
 

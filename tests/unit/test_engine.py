@@ -33,7 +33,7 @@ class FailingBackend(SingleBackend):
     def __init__(self, exc: BaseException):
         self.exc = exc
 
-    def allreduce(self, buf, op):
+    def allreduce(self, buf, op, send=None):
         raise self.exc
 
 

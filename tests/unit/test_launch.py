@@ -63,6 +63,8 @@ def test_more_ranks_than_cores_oversubscribe_unbound():
     assert flag(cmd, "mpi_yield_when_idle") == "1" and cmd[cmd.index("mpi_yield_when_idle") - 1] \
         == "--mca"
     assert "mpi_yield_when_idle" not in command("-np", "2", "x.py", cores=8)
+    # one core per rank: the engine's thread and the training's share it
+    assert "mpi_yield_when_idle" in command("-np", "2", "x.py", cores=2)
 
 
 def test_other_hosts_are_not_bound():

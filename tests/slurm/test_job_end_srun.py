@@ -21,12 +21,14 @@ SRUN_NAMES = {**NAMES_RANK_1, "kill": ["task 1", "Killed"]}
 
 
 @pytest.mark.parametrize("scenario", sorted(NAMES_RANK_1))
-def test_a_failing_rank_ends_the_srun_step(slurm, scenario, monkeypatch):
+def test_a_failing_rank_ends_the_srun_step(slurm, scenario, monkeypatch, tmp_path):
     monkeypatch.setitem(NAMES_RANK_1, "kill", SRUN_NAMES["kill"])
+    mark = tmp_path / "failed_at"
     proc = slurm.run(["srun", "-N", "2", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1",
-                      sys.executable, str(WORKER), scenario], timeout=250, env=STALL_ENV)
+                      sys.executable, str(WORKER), scenario], timeout=250,
+                     env={**STALL_ENV, "JOB_END_MARK": str(mark)})
     out = proc.stdout + proc.stderr
-    took = check_job_end(scenario, proc.returncode, out, time.time())
+    took = check_job_end(scenario, proc.returncode, out, time.time(), mark)
     if scenario not in ("kill", "mismatch"):
         # the failing task's first error is printed before rank 0's report of it
         first = out.index(NAMES_RANK_1[scenario][0])

@@ -8,6 +8,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -219,12 +220,19 @@ def _end_job(kind, value) -> None:
     _exit_now(1)
 
 
+#: how long a failing srun task lingers after its last words: srun ends the step as soon as it
+#: learns that a task failed, and may not print what that task wrote just before
+SRUN_LAST_WORDS_S = 0.5
+
+
 def _exit_now(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream: nothing left to say
             pass
+    if "SLURM_STEP_ID" in os.environ:
+        time.sleep(SRUN_LAST_WORDS_S)
     os._exit(status)
 
 

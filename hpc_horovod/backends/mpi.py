@@ -155,7 +155,3 @@ class MpiBackend(Backend):
         """Release the communicator (local)."""
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
             self.comm.Free()
-
-
-def library_version() -> str:
-    return MPI.Get_library_version().strip().splitlines()[0]

@@ -51,11 +51,3 @@ class UnsupportedLauncherError(TopologyError):
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 SHUT_DOWN = "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to submit an operation after hvd.shutdown()."  # noqa: E501
-
-
-def window_timeout(count: int, dtype, exc: TimeoutError) -> HorovodInternalError:
-    """The error of a native sum of ``count`` tensors that a peer did not come to."""
-    return HorovodInternalError(
-        f"shared-memory allreduce of {count} tensors of {dtype}: {exc}: a peer process died "
-        "or is blocked outside Python (raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank "
-        "legitimately stops for longer)")

@@ -32,8 +32,8 @@ FLAG_JOINED = 1
 class ResponseCache:
     """Name -> (bit, signature) for tensors already agreed on; identical on every rank.
 
-    ``entries`` is read directly by the engine's cycle (``engine._cache_bits``); ``generation`` changes
-    whenever a bit changes owner, which invalidates what was derived from bit sets.
+    ``entries`` is read directly by the engine's cycle (``engine._cache_bits``); ``generation``
+    changes whenever a bit changes owner, which invalidates what was derived from bit sets.
     """
 
     def __init__(self, capacity: int):

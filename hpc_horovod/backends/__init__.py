@@ -28,6 +28,8 @@ class Composition:
     backend: Backend
     name: str
     mpi_threads: int | None
+    #: the job's own duplicate of the world (None without MPI)
+    comm: object = None
 
 
 def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Composition:
@@ -42,8 +44,8 @@ def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Compo
     topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
     nccl = _nccl_backend(topo, mpi_comm, settings)
     if nccl is not None:
-        return Composition(topo, nccl, "nccl", threads)
-    return Composition(topo, backend, "mpi", threads)
+        return Composition(topo, nccl, "nccl", threads, mpi_comm)
+    return Composition(topo, backend, "mpi", threads, mpi_comm)
 
 
 def _complete_topology(topo, comm):

@@ -22,9 +22,10 @@ class Backend(Protocol):
     device: int | None = None
 
     # -- negotiation (host memory, small) --------------------------------------------------------
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         """In-place bitwise AND of ``words`` over the set; raise HorovodInternalError when a
-        peer does not come within ``timeout_s`` (0: wait for ever)."""
+        peer does not come within ``timeout_s`` (0: wait for ever), and ``alarm.error`` as soon
+        as it is set while waiting."""
 
     def allgather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order."""

@@ -108,6 +108,7 @@ class Runtime:
         #: the first failure's one-line summary, once rank 0 printed it
         self.summary_printed = False
         self.first_culprit = ""
+        self.told = False  # the peers know why this rank stops
         self.watch = None
         if topo.size > 1:
             from .watch import PeerWatch
@@ -146,7 +147,8 @@ class Runtime:
     def tell_peers(self, reason: str) -> None:
         """This rank stops on an error of its own: the peers' engines stop with ``reason``,
         whatever they are doing, and their errors name this rank."""
-        if self.watch is not None and self.engine._alarm.error is None:
+        if self.watch is not None and not self.told and self.engine._alarm.error is None:
+            self.told = True
             self.watch.tell(reason)
 
     def _peer_failed(self, text: str, culprit: str, lost: bool, first: bool) -> None:
@@ -258,7 +260,7 @@ def _end_job(kind, value) -> None:
     runtime = _runtime
     if runtime is None or runtime.topology.size == 1:
         return
-    if not isinstance(value, HorovodInternalError):
+    if not (isinstance(value, HorovodInternalError) and (value.agreed or value.culprit)):
         try:
             runtime.tell_peers(f"{kind.__name__}: {value}".splitlines()[0])
         except Exception:  # noqa: BLE001 - never mask the user's exception

@@ -13,8 +13,11 @@ without a collective, which a rank that fails in the middle of one could not run
 
 Protocol, one line of JSON per message: a rank sends ``{"fail": reason}`` when it stops on an
 error of its own, ``{"bye": true}`` when it shuts down normally; rank 0 relays every failure to
-every other rank as ``{"fail": reason, "rank": r}`` and announces lost ranks as
-``{"lost": [ranks]}``. A connection that ends without ``bye`` is a lost rank.
+every other rank as ``{"fail": reason, "rank": r}``, each of which answers ``{"ack": r}`` once
+its engine knows, and rank 0 then tells the failing rank ``{"acked": true}``: a failing rank
+waits for that (``TELL_S`` at most) before it exits, since its launcher may end the others
+the moment it does. Rank 0 announces lost ranks as ``{"lost": [ranks]}``. A connection that
+ends without ``bye`` is a lost rank.
 
 The listener is rank 0's; the others learn its addresses (every IPv4 address of its host, or
 only ``HOROVOD_GLOO_IFACE``'s when set, Horovod's variable for the interface of its side
@@ -36,6 +39,8 @@ from collections.abc import Callable
 
 #: how long ``init`` waits for every rank to connect to rank 0
 CONNECT_S = 60.0
+#: how long a failing rank waits for the others to acknowledge its last words
+TELL_S = 5.0
 #: after the first lost connection, how long rank 0 gathers others before announcing them
 #: (a host's ranks end together, and one message should name them all)
 GATHER_LOST_S = 0.3
@@ -93,6 +98,8 @@ class PeerWatch:
         self._reported = False
         self._lock = threading.Lock()  # one writer at a time on each connection
         self._peers: dict[socket.socket, int] = {}  # rank 0: connection -> rank
+        self._acks: dict[int, set[int]] = {}  # rank 0: failed rank -> ranks yet to ack
+        self._acked = threading.Event()  # this rank's failure is known everywhere
         self._hub: socket.socket | None = None  # the others: the connection to rank 0
         error = None
         if self.rank == 0:
@@ -172,11 +179,13 @@ class PeerWatch:
 
     # -- messages ----------------------------------------------------------------------------
     def tell(self, reason: str) -> None:
-        """This rank stops on an error of its own: every other rank learns ``reason``."""
+        """This rank stops on an error of its own: every other rank learns ``reason``; returns
+        once they all acknowledged it (``TELL_S`` at most)."""
         if self.rank == 0:
-            self._broadcast({"fail": reason, "rank": 0})
+            self._relay(0, reason)
         elif self._hub is not None:
             self._write(self._hub, {"fail": reason})
+        self._acked.wait(TELL_S)
 
     def close(self) -> None:
         """A normal end: the peers will not take this rank's departure for a loss."""
@@ -195,9 +204,10 @@ class PeerWatch:
             except OSError:  # that peer is gone already: its end-of-file says so
                 pass
 
-    def _broadcast(self, message: dict, skip: int | None = None) -> None:
+    def _broadcast(self, message: dict, skip: int | None = None,
+                   only: int | None = None) -> None:
         for sock, rank in list(self._peers.items()):
-            if rank != skip:
+            if rank != skip and (only is None or rank == only):
                 self._write(sock, message)
 
     # -- the thread ----------------------------------------------------------------------------
@@ -236,20 +246,46 @@ class PeerWatch:
                     elif "fail" in message:
                         self._failed(message.get("rank", self._peers.get(sock)),
                                      message["fail"])
+                    elif "ack" in message:
+                        self._ack(message["ack"], self._peers[sock])
+                    elif message.get("acked"):
+                        self._acked.set()
                     elif "lost" in message:
                         self._lost(message["lost"])
             if lost_since is not None and time.monotonic() >= lost_since + GATHER_LOST_S:
                 ranks, lost, lost_since = sorted(lost), [], None
                 if self.rank == 0:
                     self._broadcast({"lost": ranks})
+                    for failed in list(self._acks):
+                        for rank in ranks:
+                            self._ack(failed, rank)
                 self._lost(ranks)
         selector.close()
 
     def _failed(self, rank: int, reason: str) -> None:
-        if self.rank == 0:
-            self._broadcast({"fail": reason, "rank": rank}, skip=rank)
         self._report(f"Rank {rank} stopped first, with: {reason}",
                      f"rank {rank} failed first: {reason}", lost=False)
+        if self.rank == 0:
+            self._relay(rank, reason)
+        else:
+            self._write(self._hub, {"ack": rank})
+
+    def _relay(self, rank: int, reason: str) -> None:
+        """Rank 0: ``rank``'s failure to every other rank, and wait for their acks."""
+        self._acks[rank] = {r for r in self._peers.values() if r != rank}
+        self._broadcast({"fail": reason, "rank": rank}, skip=rank)
+        self._ack(rank, 0)
+
+    def _ack(self, failed: int, rank: int) -> None:
+        waiting = self._acks.get(failed)
+        if waiting is None:
+            return
+        waiting.discard(rank)
+        if not waiting and self._acks.pop(failed, None) is not None:
+            if failed == 0:
+                self._acked.set()
+            else:
+                self._broadcast({"acked": True}, skip=None, only=failed)
 
     def _lost(self, ranks: list[int]) -> None:
         hosts = sorted({self.hosts[r] for r in ranks})

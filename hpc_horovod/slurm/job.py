@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import options as sbatch_options
 from . import validate
 from .profiles import ClusterProfile, NodeClass, get_profile
 
@@ -43,8 +44,14 @@ class JobPlan:
     srun_mpi: str
     command: tuple[str, ...]
     storage: tuple[tuple[str, str], ...]
-    #: ``srun --label``: each output line starts with its task's rank
-    label: bool = False
+    #: ``srun --label``: each output line starts with its task's rank, so that the tracebacks
+    #: of two ranks stay apart
+    label: bool = True
+    #: ``--open-mode``: append for a requeue-able job (its runs share one output file), else
+    #: SLURM's default
+    open_mode: str | None = None
+    #: sbatch options written as given: ``(("--mem", "64G"), ("--exclusive", None))``
+    extra: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def total_tasks(self) -> int:
@@ -95,6 +102,21 @@ def _layout(node: NodeClass, gpus: int | None, tasks: int | None, profile: Clust
         raise ValueError(f"--ntasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
                          "one task per GPU; give one of the two")
     return gpus, gpus
+
+
+def _gpus_per_node(nodes: int, gpus: int | None, gpus_per_node: int | None) -> int | None:
+    """``--gpus-per-node`` from sbatch's ``-G/--gpus`` (GPUs for the whole job)."""
+    if gpus is None:
+        return gpus_per_node
+    validate.positive(gpus, "--gpus")
+    if gpus_per_node is not None:
+        raise ValueError(f"--gpus {gpus} (for the whole job) and --gpus-per-node "
+                         f"{gpus_per_node}: give one of the two")
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} (GPUs for the whole job, as in sbatch) does not split "
+                         f"evenly over --nodes {nodes}: every node runs one task per GPU (ask "
+                         f"--gpus {max(gpus // nodes, 1) * nodes}, or --gpus-per-node N)")
+    return gpus // nodes
 
 
 def _tasks_per_node(nodes: int, ntasks: int | None, ntasks_per_node: int | None) -> int | None:
@@ -168,6 +190,7 @@ def plan_job(
     nodes: int = 1,
     ntasks: int | None = None,
     ntasks_per_node: int | None = None,
+    gpus: int | None = None,
     gpus_per_node: int | None = None,
     cpus_per_task: int | None = None,
     time: str | None = None,
@@ -181,16 +204,20 @@ def plan_job(
     requeue: bool = False,
     signal_seconds: int | None = None,
     output: str = "%x-%j.out",
+    open_mode: str | None = None,
     template: str | os.PathLike | None = None,
-    label: bool = False,
+    label: bool = True,
     profile_env: Mapping[str, str] | None = None,
+    sbatch: Mapping[str, object] | None = None,
 ) -> JobPlan:
     """Check a job request against its cluster profile and resolve every default.
 
-    The names are sbatch's (``nodes``, ``ntasks``, ``ntasks_per_node``, ``gpus_per_node``,
-    ``cpus_per_task``, ``time``, ...). ``gpus_per_node`` defaults to every GPU of the node type
-    (none on CPU or unknown nodes: a CPU job of ``ntasks_per_node`` tasks); ``template`` is a
-    site's template file that extends the packaged ones (default: the profile's).
+    The names are sbatch's (``nodes``, ``ntasks``, ``ntasks_per_node``, ``gpus`` (for the
+    whole job), ``gpus_per_node``, ``cpus_per_task``, ``time``, ...). ``gpus_per_node`` defaults
+    to every GPU of the node type (none on CPU or unknown nodes: a CPU job of
+    ``ntasks_per_node`` tasks); ``template`` is a site's template file that extends the
+    packaged ones (default: the profile's); ``sbatch`` holds the options written as given
+    (:data:`hpc_horovod.slurm.options.PASSTHROUGH`: ``{"mem": "64G", "exclusive": True}``).
     """
     profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
                                                                               profile_env)
@@ -202,8 +229,8 @@ def plan_job(
         raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
     validate.positive(nodes, "--nodes")
     node, partition, constraint = profile.select(partition, constraint)
-    gpus, tasks = _layout(node, gpus_per_node, _tasks_per_node(nodes, ntasks, ntasks_per_node),
-                          profile)
+    gpus, tasks = _layout(node, _gpus_per_node(nodes, gpus, gpus_per_node),
+                          _tasks_per_node(nodes, ntasks, ntasks_per_node), profile)
     seconds = profile.default_time if time is None else validate.parse_time(time)
     if node.max_time is not None and seconds > node.max_time:
         raise ValueError(f"--time {validate.format_time(seconds)} is over the "
@@ -217,6 +244,8 @@ def plan_job(
                              "before)")
     elif requeue:
         signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
+    if open_mode not in (None, "append", "truncate"):
+        raise ValueError(f"--open-mode {open_mode!r}: append or truncate")
     job_modules = profile.default_modules if modules is None else validate.modules(modules)
     return JobPlan(
         cluster=profile.name,
@@ -243,4 +272,6 @@ def plan_job(
         command=command,
         storage=tuple(profile.storage.items()),
         label=bool(label),
+        open_mode=open_mode or ("append" if requeue else None),
+        extra=sbatch_options.passthrough(sbatch or {}),
     )

@@ -9,6 +9,7 @@ only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is exerc
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -220,6 +221,9 @@ def test_times_mean_what_sbatch_reads(slurm, tmp_path):
         job = proc.stdout.strip().split(";")[0]
         limit = slurm.job_state(job)["TimeLimit"]
         slurm.run(["scancel", job], check=True)
+        if seconds == math.inf:
+            assert limit == "UNLIMITED", (text, limit)
+            continue
         assert _slurm_minutes(limit) == -(-seconds // 60), (text, limit)
         # and the form written into job scripts reads back the same
         assert validate.parse_time(validate.format_time(seconds)) == seconds
@@ -229,11 +233,14 @@ def test_times_mean_what_sbatch_reads(slurm, tmp_path):
 
 
 def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
+    (tmp_path / "t.py").write_text("")
     proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-c", "1",
                       "-t", "5", "-J", "spelled", "-p", "debug", "-o", "spelled-%j.out",
-                      "--signal", "USR2@60", "--requeue", "--script", "job.sh", "--",
-                      "python", "t.py"], cwd=tmp_path, check=True)
-    assert proc.stdout == ""
+                      "--signal", "USR2@60", "--requeue", "--mem", "1000M", "--exclusive",
+                      "-a", "0-1", "-e", "err-%A_%a.txt", "--mail-type", "END", "-d",
+                      "singleton", "--script", "job.sh", "--", "python", "t.py"], cwd=tmp_path,
+                     check=True)
+    assert proc.stdout == "" and "the tasks run python as" in proc.stderr
     test = slurm.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path)
     assert test.returncode == 0 and "to start at" in test.stderr and "n[1-2]" in test.stderr, \
         test.stderr
@@ -243,6 +250,23 @@ def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
     test = subprocess.run(["sbatch", "--test-only"], input=gpus, capture_output=True, text=True,
                           env=slurm.env(), cwd=tmp_path, timeout=60)
     assert test.returncode == 0, test.stderr
+
+
+def test_gpus_means_what_sbatch_means(slurm, tmp_path):
+    """-N 2 --gpus 2 is two GPUs for the job, as sbatch allocates them: one per node."""
+    (tmp_path / "t.py").write_text("")
+    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "--hold",
+                      "--submit", "--", "python", "t.py"], cwd=tmp_path, check=True)
+    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "--hold",
+                        "--wrap", "true"], cwd=tmp_path, check=True)
+    tres = []
+    for job in (ours.stdout.strip(), theirs.stdout.strip().split(";")[0]):
+        record = slurm.job_state(job)
+        slurm.run(["scancel", job], check=True)
+        tres.append(re.search(r"gres/gpu[:=]\d+", record["TRES"] if "TRES" in record
+                              else record.get("ReqTRES", "")))
+    assert tres[0] is not None and tres[1] is not None, tres
+    assert tres[0].group(0).endswith("=2") and tres[1].group(0).endswith("=2"), tres
 
 
 def test_cpu_job_with_slurm_spellings_runs(slurm, tmp_path):

@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import doctor, options, validate
+from . import doctor, live, options, validate
 from .profiles import load_profiles
 from .render import render_job
 from .submit import sbatch
@@ -113,6 +113,7 @@ def _sbatch(args) -> int:
         open_mode=args.open_mode,
         template=args.template,
         sbatch=extra,
+        live=live.query(),
     )
     if note:
         print(f"hpc-horovod sbatch: {note}", file=sys.stderr)

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import live as live_cluster
 from . import options as sbatch_options
 from . import validate
 from .profiles import ClusterProfile, NodeClass, get_profile
@@ -209,6 +210,7 @@ def plan_job(
     label: bool = True,
     profile_env: Mapping[str, str] | None = None,
     sbatch: Mapping[str, object] | None = None,
+    live: live_cluster.LiveCluster | None = None,
 ) -> JobPlan:
     """Check a job request against its cluster profile and resolve every default.
 
@@ -218,6 +220,8 @@ def plan_job(
     ``ntasks_per_node`` tasks); ``template`` is a site's template file that extends the
     packaged ones (default: the profile's); ``sbatch`` holds the options written as given
     (:data:`hpc_horovod.slurm.options.PASSTHROUGH`: ``{"mem": "64G", "exclusive": True}``).
+    ``live`` is what the cluster itself says (:func:`hpc_horovod.slurm.live.query`), checked
+    on top of the profile.
     """
     profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
                                                                               profile_env)
@@ -244,6 +248,14 @@ def plan_job(
                              "before)")
     elif requeue:
         signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
+    cpus = validate.positive(node.cpus_per_task if cpus_per_task is None else cpus_per_task,
+                             "--cpus-per-task")
+    if node.cpus_per_node is not None and tasks * cpus > node.cpus_per_node:
+        raise ValueError(f"{tasks} task(s) per node x --cpus-per-task {cpus} = {tasks * cpus} "
+                         f"CPUs per node, but {_where(node)} of cluster {profile.name} has "
+                         f"{node.cpus_per_node}: fewer tasks or CPUs per node, and more --nodes")
+    if live is not None:
+        live_cluster.check(live, partition, constraint, gpus, tasks, cpus, seconds)
     if open_mode not in (None, "append", "truncate"):
         raise ValueError(f"--open-mode {open_mode!r}: append or truncate")
     job_modules = profile.default_modules if modules is None else validate.modules(modules)
@@ -255,8 +267,7 @@ def plan_job(
         nodes=nodes,
         ntasks_per_node=tasks,
         gpus_per_node=gpus,
-        cpus_per_task=validate.positive(node.cpus_per_task if cpus_per_task is None
-                                        else cpus_per_task, "--cpus-per-task"),
+        cpus_per_task=cpus,
         time=validate.format_time(seconds),
         partition=partition,
         constraint=constraint,

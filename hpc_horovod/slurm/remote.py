@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..runner import collect, rank_file, worker_command, write_payload
+from . import live, validate
 from . import options as sbatch_flags
-from . import validate
 from .job import plan_job
 from .render import render_plan
 from .submit import sbatch
@@ -202,7 +202,8 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Mapping[str, Any] | None =
     (``"USR2@300"``), ...), and sbatch's other options as keywords written into the script as
     given (``mem="64G"``, ``exclusive=True``, ``dependency="afterok:12"``: the names of
     :data:`hpc_horovod.slurm.options.PASSTHROUGH`); everything is checked against the cluster
-    profile before anything is written, and errors name these arguments. ``output`` is the
+    profile, and against the cluster itself where ``sinfo`` answers, before anything is
+    written, and errors name these arguments. ``output`` is the
     output file (``%j`` and ``%x`` allowed; default: ``output.log`` in the job's folder). The
     tasks run ``executable`` (default: this interpreter, which the compute nodes must see at
     the same path, as with a shared software environment) and import what the function needs
@@ -229,7 +230,7 @@ def submit(fn: Callable, args: Sequence = (), kwargs: Mapping[str, Any] | None =
             requeue=requeue,
             signal_seconds=None if signal is None else validate.signal_seconds(signal),
             output=out, open_mode=open_mode, template=template, profile_env=profile_env,
-            sbatch=sbatch_options)
+            sbatch=sbatch_options, live=live.query())
     except ValueError as exc:
         raise ValueError(sbatch_flags.python_spelling(str(exc))) from None
     folder.mkdir(parents=True)

@@ -61,8 +61,8 @@ def test_arguments_reach_every_task_verbatim(slurm, tmp_path):
     status, _ = slurm.submit_and_wait(script)
     out = _output(tmp_path, "quoting")
     assert status == 0, out
-    seen = [json.loads(line[len("ARGS "):]) for line in out.splitlines()
-            if line.startswith("ARGS ")]
+    seen = [json.loads(line.split(": ARGS ", 1)[1]) for line in out.splitlines()
+            if ": ARGS " in line]  # srun --label: each line led by its rank
     assert seen == [[nasty, "$(touch pwned4); echo"]] * 2, out
     assert not list(tmp_path.glob("pwned*"))
 
@@ -255,28 +255,27 @@ def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
 def test_gpus_means_what_sbatch_means(slurm, tmp_path):
     """-N 2 --gpus 2 is two GPUs for the job, as sbatch allocates them: one per node."""
     (tmp_path / "t.py").write_text("")
-    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "--hold",
-                      "--submit", "--", "python", "t.py"], cwd=tmp_path, check=True)
-    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "--hold",
-                        "--wrap", "true"], cwd=tmp_path, check=True)
-    tres = []
+    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "--submit",
+                      "--", "python", "t.py"], cwd=tmp_path, check=True)
+    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "--wrap",
+                        "true"], cwd=tmp_path, check=True)
+    allocated = []
     for job in (ours.stdout.strip(), theirs.stdout.strip().split(";")[0]):
-        record = slurm.job_state(job)
-        slurm.run(["scancel", job], check=True)
-        tres.append(re.search(r"gres/gpu[:=]\d+", record["TRES"] if "TRES" in record
-                              else record.get("ReqTRES", "")))
-    assert tres[0] is not None and tres[1] is not None, tres
-    assert tres[0].group(0).endswith("=2") and tres[1].group(0).endswith("=2"), tres
+        record = slurm.wait_job(job, 60)
+        assert record["JobState"] == "COMPLETED", record
+        allocated.append(re.search(r"gres/gpu=(\d+)", record["TRES"]).group(1))
+    assert allocated == ["2", "2"]
 
 
-def test_cpu_job_with_slurm_spellings_runs(slurm, tmp_path):
-    """hpc-horovod sbatch -N 2 --ntasks-per-node 2 ... --submit: four ranks on two nodes."""
-    proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-t", "3",
-                      "-J", "cpujob", "-p", "debug", "--modules", "", "--submit", "--",
-                      sys.executable, str(WORKERS / "check_layout.py")], cwd=tmp_path,
-                     check=True)
-    state = slurm.wait_job(proc.stdout.strip(), 60)
-    out = _output(tmp_path, "cpujob")
-    assert state["JobState"] == "COMPLETED", f"{state}\n{out}"
-    assert out.count("layout ok") == 4, out
-    assert state["NumNodes"] == "2" and state["NumTasks"] == "4", state
+@pytest.mark.parametrize("argv, error", [
+    (["-p", "gpu"], "--partition gpu: no such partition on this cluster (sinfo); it has debug"),
+    (["--ntasks-per-node", "64"], "64 CPUs per node, but the nodes of partition debug have 4"),
+    (["--gpus-per-node", "3"], "--gpus-per-node 3: the nodes of partition debug have 2 GPU(s)"),
+])
+def test_generic_jobs_are_checked_against_the_live_cluster(slurm, tmp_path, argv, error):
+    """The generic profile knows nothing of this cluster; sinfo does."""
+    (tmp_path / "t.py").write_text("")
+    proc = slurm.run([*HPC_HOROVOD, "sbatch", *argv, "--script", "job.sh", "--", "python",
+                      "t.py"], cwd=tmp_path)
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+    assert not (tmp_path / "job.sh").exists()

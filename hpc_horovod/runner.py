@@ -8,11 +8,18 @@ calls ``fn(*args, **kwargs)`` and writes what it returned, or the exception it r
 failing rank's exception, re-raised with a note naming the rank and showing that rank's
 traceback. :func:`hpc_horovod.slurm.submit` uses the same folder layout for a batch job.
 
-The function calls ``hvd.init()`` itself, as under ``horovodrun``.
+The function calls ``hvd.init()`` itself (``run`` does not), as a script run by
+``horovodrun`` does. A rank whose function raises stops its peers as a script's uncaught
+exception does: they learn its error, not a bare shutdown.
+
+cloudpickle ships a function's code without its file name (``<dynamic-code>``); the payload
+carries the names of the files its functions come from, so that a rank's traceback names the
+file and line of each frame.
 """
 
 from __future__ import annotations
 
+import linecache
 import os
 import shutil
 import subprocess
@@ -20,6 +27,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -56,13 +64,59 @@ def write_payload(folder: Path, fn: Callable, args: Sequence = (),
         raise TypeError(f"args must be a tuple or list of arguments, got {args!r}")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
-    payload = (fn, tuple(args), dict(kwargs or {}), list(sys.path))
+    payload = (fn, tuple(args), dict(kwargs or {}), list(sys.path), code_files(fn))
     try:
         data = cloudpickle.dumps(payload)
     except Exception as exc:
         raise TypeError(f"{getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled "
                         f"to reach the ranks: {exc}") from exc
     return atomic_write(folder / PAYLOAD, lambda fh: fh.write(data))
+
+
+def code_files(fn: Callable) -> dict[str, str]:
+    """Function name -> the file it was written in, for ``fn`` and the functions it defines,
+    closes over or calls by global name (what cloudpickle may ship by value); a name found in
+    two files is left out."""
+    found: dict[str, set[str]] = {}
+    seen: set[int] = set()
+    pending: list = [fn]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, types.MethodType):
+            pending.append(item.__func__)
+        elif isinstance(item, types.FunctionType):
+            pending.append(item.__code__)
+            pending.extend(cell.cell_contents for cell in item.__closure__ or ()
+                           if _filled(cell))
+            pending.extend(item.__globals__[name] for name in item.__code__.co_names
+                           if isinstance(item.__globals__.get(name), types.FunctionType))
+        elif isinstance(item, types.CodeType):
+            found.setdefault(item.co_name, set()).add(item.co_filename)
+            pending.extend(c for c in item.co_consts if isinstance(c, types.CodeType))
+    return {name: files.pop() for name, files in found.items() if len(files) == 1}
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def format_traceback(exc: BaseException, files: Mapping[str, str]) -> str:
+    """``exc``'s traceback, each ``<dynamic-code>`` frame named by its file (and its source
+    line, where this process can read that file)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in frames:
+        if frame.filename == "<dynamic-code>" and frame.name in files:
+            frame.filename = files[frame.name]
+            frame._line = linecache.getline(frame.filename, frame.lineno).rstrip("\n")
+    kind = "".join(traceback.format_exception_only(type(exc), exc))
+    return "Traceback (most recent call last):\n" + "".join(frames.format()) + kind
 
 
 def rank_file(folder: Path, rank: int) -> Path:
@@ -80,21 +134,26 @@ def _outcome_bytes(rank: int, ok: bool, value: Any, trace: str) -> bytes:
 
 
 def worker(folder: Path) -> int:
-    """One rank: run the pickled function, write its outcome; 0 when it returned."""
+    """One rank: run the pickled function and write its outcome; 0 when it returned, its
+    exception raised again when it raised."""
     from .common import topology
 
     rank = topology.detect().rank
     with open(folder / PAYLOAD, "rb") as fh:
         data = fh.read()
-    fn, args, kwargs, paths = _load(data, folder / PAYLOAD)
+    fn, args, kwargs, paths, files = _load(data, folder / PAYLOAD)
     sys.path.extend(p for p in paths if p not in sys.path)
     try:
-        value, ok, trace = fn(*args, **kwargs), True, ""
+        value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: B036 (a SystemExit or interrupt is an outcome too)
-        value, ok, trace = exc, False, traceback.format_exc()
-    data = _outcome_bytes(rank, ok, value, trace)
+        data = _outcome_bytes(rank, False, exc, format_traceback(exc, files))
+        atomic_write(rank_file(folder, rank), lambda fh: fh.write(data))
+        # As a script's uncaught exception: printed here, then the peers learn why this rank
+        # stops (hvd's excepthook) and the process ends, non-zero.
+        raise
+    data = _outcome_bytes(rank, True, value, "")
     atomic_write(rank_file(folder, rank), lambda fh: fh.write(data))
-    return 0 if ok else 1
+    return 0
 
 
 def _load(data: bytes, where: Path):

@@ -19,7 +19,6 @@ file and line of each frame.
 
 from __future__ import annotations
 
-import linecache
 import os
 import shutil
 import subprocess
@@ -73,30 +72,21 @@ def write_payload(folder: Path, fn: Callable, args: Sequence = (),
     return atomic_write(folder / PAYLOAD, lambda fh: fh.write(data))
 
 
-def code_files(fn: Callable) -> dict[str, str]:
-    """Function name -> the file it was written in, for ``fn`` and the functions it defines,
-    closes over or calls by global name (what cloudpickle may ship by value); a name found in
-    two files is left out."""
-    found: dict[str, set[str]] = {}
+def _functions(fn: Callable):
+    """``fn`` and the functions it closes over or calls by global name, transitively (what
+    cloudpickle may ship by value with it)."""
     seen: set[int] = set()
     pending: list = [fn]
     while pending:
         item = pending.pop()
-        if id(item) in seen:
+        if isinstance(item, types.MethodType):
+            item = item.__func__
+        if not isinstance(item, types.FunctionType) or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, types.MethodType):
-            pending.append(item.__func__)
-        elif isinstance(item, types.FunctionType):
-            pending.append(item.__code__)
-            pending.extend(cell.cell_contents for cell in item.__closure__ or ()
-                           if _filled(cell))
-            pending.extend(item.__globals__[name] for name in item.__code__.co_names
-                           if isinstance(item.__globals__.get(name), types.FunctionType))
-        elif isinstance(item, types.CodeType):
-            found.setdefault(item.co_name, set()).add(item.co_filename)
-            pending.extend(c for c in item.co_consts if isinstance(c, types.CodeType))
-    return {name: files.pop() for name, files in found.items() if len(files) == 1}
+        yield item
+        pending.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+        pending.extend(item.__globals__.get(name) for name in item.__code__.co_names)
 
 
 def _filled(cell) -> bool:
@@ -107,16 +97,36 @@ def _filled(cell) -> bool:
     return True
 
 
-def format_traceback(exc: BaseException, files: Mapping[str, str]) -> str:
-    """``exc``'s traceback, each ``<dynamic-code>`` frame named by its file (and its source
-    line, where this process can read that file)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in frames:
-        if frame.filename == "<dynamic-code>" and frame.name in files:
-            frame.filename = files[frame.name]
-            frame._line = linecache.getline(frame.filename, frame.lineno).rstrip("\n")
-    kind = "".join(traceback.format_exception_only(type(exc), exc))
-    return "Traceback (most recent call last):\n" + "".join(frames.format()) + kind
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def code_files(fn: Callable) -> dict[str, str]:
+    """Function name -> the file it was written in, for the code that travels with ``fn``
+    (a name found in two files is left out)."""
+    found: dict[str, set[str]] = {}
+    for function in _functions(fn):
+        for code in _codes(function.__code__):
+            found.setdefault(code.co_name, set()).add(code.co_filename)
+    return {name: files.pop() for name, files in found.items() if len(files) == 1}
+
+
+def _named(code: types.CodeType, files: Mapping[str, str]) -> types.CodeType:
+    consts = tuple(_named(c, files) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    filename = files.get(code.co_name, code.co_filename) \
+        if code.co_filename == "<dynamic-code>" else code.co_filename
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def restore_files(fn: Callable, files: Mapping[str, str]) -> None:
+    """Give the code cloudpickle shipped (file name ``<dynamic-code>``) its file back, so that
+    tracebacks name each frame's file and line (and show it, where the file is readable)."""
+    for function in _functions(fn):
+        function.__code__ = _named(function.__code__, files)
 
 
 def rank_file(folder: Path, rank: int) -> Path:
@@ -143,10 +153,11 @@ def worker(folder: Path) -> int:
         data = fh.read()
     fn, args, kwargs, paths, files = _load(data, folder / PAYLOAD)
     sys.path.extend(p for p in paths if p not in sys.path)
+    restore_files(fn, files)
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: B036 (a SystemExit or interrupt is an outcome too)
-        data = _outcome_bytes(rank, False, exc, format_traceback(exc, files))
+        data = _outcome_bytes(rank, False, exc, traceback.format_exc())
         atomic_write(rank_file(folder, rank), lambda fh: fh.write(data))
         # As a script's uncaught exception: printed here, then the peers learn why this rank
         # stops (hvd's excepthook) and the process ends, non-zero.

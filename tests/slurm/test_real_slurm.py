@@ -253,18 +253,25 @@ def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
 
 
 def test_gpus_means_what_sbatch_means(slurm, tmp_path):
-    """-N 2 --gpus 2 is two GPUs for the job, as sbatch allocates them: one per node."""
-    (tmp_path / "t.py").write_text("")
-    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "--submit",
-                      "--", "python", "t.py"], cwd=tmp_path, check=True)
-    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "--wrap",
-                        "true"], cwd=tmp_path, check=True)
-    allocated = []
-    for job in (ours.stdout.strip(), theirs.stdout.strip().split(";")[0]):
+    """-N 2 --gpus 2 is two GPUs for the job, as sbatch's own --gpus 2 (here one per node, so
+    that every node runs one task per GPU): the tasks see as many GPUs in all."""
+    show = "import os; print('GPUS', os.environ['SLURMD_NODENAME'], " \
+           "os.environ.get('CUDA_VISIBLE_DEVICES', ''))"
+    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "-J", "ours",
+                      "--submit", "--", "python", "-c", show], cwd=tmp_path, check=True)
+    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "-J",
+                        "theirs", "-o", "theirs-%j.out", "--wrap",
+                        f"srun --ntasks-per-node=1 {sys.executable} -c \"{show}\""],
+                       cwd=tmp_path, check=True)
+    seen = {}
+    for name, job in (("ours", ours.stdout.strip()), ("theirs", theirs.stdout.strip())):
         record = slurm.wait_job(job, 60)
-        assert record["JobState"] == "COMPLETED", record
-        allocated.append(re.search(r"gres/gpu=(\d+)", record["TRES"]).group(1))
-    assert allocated == ["2", "2"]
+        out = _output(tmp_path, name)
+        assert record["JobState"] == "COMPLETED", f"{record}\n{out}"
+        lines = [line.split("GPUS ", 1)[1].split() for line in out.splitlines() if "GPUS " in line]
+        seen[name] = {node: len(gpus[0].split(",")) if gpus else 0 for node, *gpus in lines}
+    assert seen["ours"] == {"n1": 1, "n2": 1}, seen
+    assert sum(seen["theirs"].values()) == sum(seen["ours"].values()) == 2, seen
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -18,6 +18,11 @@ from .profiles import ClusterProfile, NodeClass, get_profile
 
 #: seconds before the time limit at which ``--requeue`` jobs get SIGUSR2 when none is given
 DEFAULT_SIGNAL_SECONDS = 300
+#: how much earlier than asked SLURM may send ``--signal`` (its event handling runs each minute)
+SIGNAL_EARLY_S = 60
+#: the least time a job has between its start and its signal: the tasks start, import their
+#: framework and call hvd.init(), which catches the signal from then on
+SIGNAL_START_S = 60
 
 
 @dataclass(frozen=True)
@@ -240,14 +245,24 @@ def plan_job(
         raise ValueError(f"--time {validate.format_time(seconds)} is over the "
                          f"{validate.format_time(node.max_time)} limit of {_where(node)}")
     chosen_qos = _choose_qos(node, profile, qos, seconds)
+    latest = seconds - SIGNAL_EARLY_S - SIGNAL_START_S  # the longest lead that is safe
     if signal_seconds is not None:
         validate.positive(signal_seconds, "--signal")
-        if signal_seconds >= seconds or signal_seconds > 65535:
-            raise ValueError(f"--signal USR2@{signal_seconds}: the signal must come before the "
-                             f"job's {validate.format_time(seconds)} limit (and at most 65535 s "
-                             "before)")
+        if signal_seconds > latest or signal_seconds > 65535:
+            raise ValueError(
+                f"--signal USR2@{signal_seconds}: the signal must come before the job's "
+                f"{validate.format_time(seconds)} limit, and SLURM may send it up to "
+                f"{SIGNAL_EARLY_S} s early, while the tasks still start ({SIGNAL_START_S} s): "
+                f"ask at most USR2@{max(min(latest, 65535), 0)}"
+                + ("" if latest > 0 else " (none fits: a longer --time)")
+                + " (and at most 65535 s before)")
     elif requeue:
-        signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
+        if latest < 1:
+            raise ValueError(f"--requeue with --time {validate.format_time(seconds)}: SIGUSR2 "
+                             f"may come {SIGNAL_EARLY_S} s early and the tasks need "
+                             f"{SIGNAL_START_S} s to start; a requeue-able job needs more than "
+                             f"{validate.format_time(SIGNAL_EARLY_S + SIGNAL_START_S)}")
+        signal_seconds = min(DEFAULT_SIGNAL_SECONDS, latest)
     cpus = validate.positive(node.cpus_per_task if cpus_per_task is None else cpus_per_task,
                              "--cpus-per-task")
     if node.cpus_per_node is not None and tasks * cpus > node.cpus_per_node:

@@ -102,6 +102,10 @@ def test_oscar_partition_with_feature_constraint():
     (dict(gpus_per_node=4, account="abc@h100"), "--account abc@v100"),
     (dict(gpus_per_node=4, constraint="h100", partition="gpu_p13"), "not both"),
     (dict(gpus_per_node=4, signal_seconds=7200), "--signal USR2@7200: the signal must come"),
+    (dict(gpus_per_node=4, time="3", signal_seconds=90),
+     "SLURM may send it up to 60 s early, while the tasks still start .60 s.: ask at most "
+     "USR2@60"),
+    (dict(gpus_per_node=4, time="2", requeue=True), "a requeue-able job needs more than 00:02"),
     (dict(nodes=2, ntasks=3), "--ntasks 3 does not split evenly over --nodes 2"),
     (dict(nodes=2, ntasks=4, ntasks_per_node=1), "disagree"),
     (dict(ntasks_per_node=0), "--ntasks-per-node must be at least 1, got 0"),

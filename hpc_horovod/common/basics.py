@@ -228,6 +228,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
             return
         _runtime.release()
         _runtime = None
+    if os.environ.get("HPC_HOROVOD_REQUEUE_SIGNAL"):  # SLURM may send it while the job starts
+        importlib.import_module("hpc_horovod.slurm.requeue").catch_early_signal()
     _runtime = Runtime(comm, process_sets or ())
     _install_hooks()
 

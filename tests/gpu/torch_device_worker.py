@@ -68,7 +68,8 @@ if check.dev.type == "cuda":
         cuda.cuDeviceGet(ctypes.byref(handle), 0)
         cuda.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags), ctypes.byref(active))
         extra("no context on GPU 0", active.value == 0, "a context exists on GPU 0")
-    if torch.cuda.device_count() > 1 and adapter.device_views(transport, torch.float32):
+    views = adapter.device_views(transport, torch.float32, check.dev.index)
+    if torch.cuda.device_count() > 1 and views:
         other = torch.device("cuda", (check.dev.index + 1) % torch.cuda.device_count())
         try:
             hvd.allreduce(torch.ones(3, device=other))

@@ -88,7 +88,7 @@ run() {
         "$py" --version
         mpiexec --version 2>&1 | head -1 || true
         "$py" -c "
-from hpc_horovod.check_build import multi_rank_note
+from hpc_horovod.gpu_check import multi_rank_note
 print(multi_rank_note($nccl, $gpus))"
     } 2>&1 | save machine.txt
     local status=0

@@ -62,6 +62,11 @@ class Backend(Protocol):
         """Raise when the backend saw an asynchronous failure (NCCL: a lost peer or link);
         the host backends have none, and inherit this no-op."""
 
+    def abort(self) -> None:
+        """After an engine error: end this set's device communicators at once, so that no
+        device work waits for ever on a peer that is gone (NCCL: ``ncclCommAbort``); the host
+        backends have none, and inherit this no-op."""
+
     def sub(self, ranks) -> Backend | None:
         """Collective over this set: a backend for ``ranks`` (None on a rank outside them)."""
 

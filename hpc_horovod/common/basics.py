@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..backends import compose
-from . import gpu
+from . import gpu_layout
 from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
 from .errors import NOT_INITIALIZED, SHUT_DOWN, HorovodInternalError
-from .gpu import cuda_built, nccl_built  # noqa: F401 - part of the API
+from .gpu_probe import cuda_built, nccl_built  # noqa: F401 - part of the API
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -485,8 +485,8 @@ def pin_gpu(framework: str | None = None, *, exclusive: bool = True) -> int | No
     if framework is not None:
         importlib.import_module(framework)
     env = os.environ
-    runtime = None if "CUDA_VISIBLE_DEVICES" in env else gpu.runtime_count(framework)
-    device = gpu.select_gpu(local_rank(), local_size(), env, runtime,
+    runtime = None if "CUDA_VISIBLE_DEVICES" in env else gpu_layout.runtime_count(framework)
+    device = gpu_layout.select_gpu(local_rank(), local_size(), env, runtime,
                         exclusive=exclusive)
     if device is None:
         return None

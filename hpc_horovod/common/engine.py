@@ -715,19 +715,21 @@ class Engine:
 
     @staticmethod
     def _on_device_stream(backend, group, fn):
-        """GPU groups run on the device's stream (``gpu.DeviceStream``), in a thread pinned to
-        the device, after the producers' ready events, and leave a done event for the
-        consumers: no host or device-wide synchronization. NCCL's asynchronous errors (a lost
-        peer or link) surface here, before more work is queued behind a collective that will
-        never end."""
+        """GPU groups run on the device's stream (``gpu_stream.DeviceStream``), after the
+        producers' ready events, and leave a done event for the consumers: no host or
+        device-wide synchronization. The thread works on the group's device meanwhile and gets
+        its own current device back after (a caller blocked in ``wait`` runs cycles too).
+        NCCL's asynchronous errors (a lost peer or link) surface here, before more work is
+        queued behind a collective that will never end, and while the engine waits for peers
+        (``NcclBackend.negotiate``)."""
 
         def run() -> None:
-            from .gpu import device_stream, group_device
+            from .gpu_stream import device_stream, group_device, on_device
 
             backend.check_async_error()
-            stream = device_stream(group_device(backend, [r.tensor for r in group
-                                                          if r is not None]))
-            with stream.activate():
+            device = group_device(backend, [r.tensor for r in group if r is not None])
+            stream = device_stream(device)
+            with on_device(device), stream.activate():
                 for req in group:
                     if req is not None and req.ready_event is not None:
                         stream.wait_for(req.ready_event)
@@ -785,9 +787,11 @@ class Engine:
             return
         self._stopped = self._closed = True
         error = self._error
-        if (error is not None and not error.agreed and self._alarm.error is None
-                and self.on_local_error is not None):
-            self.on_local_error(error)
+        if error is not None:  # device work in flight may wait for a peer that is gone
+            for ps in self._sets.values():
+                ps.backend.abort()
+            if not error.agreed and self._alarm.error is None and self.on_local_error:
+                self.on_local_error(error)
         # Every accepted request not yet completed (all are in _inflight until then): queued,
         # pending, a join, or one cut off mid-execution.
         leftovers = self._drain_queue() + list(self._inflight.values())

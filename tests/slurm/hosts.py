@@ -39,10 +39,10 @@ def missing_tools() -> list[str]:
             if shutil.which(name) is None and shutil.which(name, path="/usr/sbin:/sbin") is None]
 
 
-def _ip(*args: str) -> None:
+def _ip(*args: str, error: type[Exception] = RuntimeError) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
-        raise NamespaceError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+        raise error(f"ip {' '.join(args)}: {proc.stderr.strip()}")
 
 
 def _ns_id(pid: int) -> tuple[int, int] | None:
@@ -81,7 +81,7 @@ class Network:
 
     names: tuple[str, ...]
     root: Path
-    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000:05d}")
+    tag: str = field(default_factory=lambda: _free_tag())
     subnet: str = ""
     hosts: dict[str, Host] = field(default_factory=dict)
     links: list[str] = field(default_factory=list)
@@ -105,7 +105,7 @@ class Network:
 
     def _start(self, root_hostname: str) -> None:
         self.subnet = _free_subnet()
-        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "add", self.bridge, "type", "bridge", error=NamespaceError)
         self.links.append(self.bridge)
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -131,7 +131,7 @@ class Network:
         if host.netns == _ns_id(os.getpid()):
             raise NamespaceError("unshare did not create a network namespace")
         _ip("link", "add", link, "type", "veth", "peer", "name", "eth0",
-            "netns", f"/proc/{host.holder.pid}/ns/net")
+            "netns", f"/proc/{host.holder.pid}/ns/net", error=NamespaceError)
         self.links.append(link)
         _ip("link", "set", link, "master", self.bridge, "up")
         setup = (f"hostname {host.name} && ip link set lo up && "
@@ -141,7 +141,7 @@ class Network:
         proc = subprocess.run([*host.enter(), "sh", "-c", setup], capture_output=True,
                               text=True, timeout=30)
         if proc.returncode != 0:
-            raise NamespaceError(f"setting up host {host.name}: {proc.stderr.strip()}")
+            raise RuntimeError(f"setting up host {host.name}: {proc.stderr.strip()}")
 
     def stop(self) -> None:
         """End every process on the hosts (their namespaces go with them), delete the links."""
@@ -162,6 +162,16 @@ class Network:
         self.links.clear()
 
 
+def _free_tag() -> str:
+    """Five hex digits that name no link of this namespace yet (links are named hvb<tag>,
+    hvv<tag><i>)."""
+    for _ in range(100):
+        tag = f"{random.randrange(16 ** 5):05x}"
+        if not any(tag in name for name in os.listdir("/sys/class/net")):
+            return tag
+    raise NamespaceError("no free name for the bridge")
+
+
 def _free_subnet() -> str:
     """A 10.x.y.0/24 that no address or route of this namespace uses yet."""
     used = subprocess.run(["ip", "-4", "-o", "route", "show", "table", "all"],
@@ -172,4 +182,4 @@ def _free_subnet() -> str:
         subnet = f"10.{random.randint(128, 254)}.{random.randint(0, 255)}"
         if f"{subnet}." not in used:
             return subnet
-    raise NamespaceError("no free 10.x.y.0/24 subnet")
+    raise RuntimeError("no free 10.x.y.0/24 subnet")

@@ -1,5 +1,6 @@
 """Jobs across the test cluster's two real hosts, h1 and h2 (network namespaces with their own
-hostname and address: conftest.py, hosts.py), two ranks on each, under ``srun --mpi=pmix``.
+hostname and address: conftest.py, hosts.py), two ranks on each, under ``srun --mpi=pmix`` (and
+the collectives also under ``mpirun`` inside a batch job).
 
 What only distinct hosts show: the topology from the hosts' names, every collective and a
 DistributedOptimizer step with ranks on both sides of the network and side by side on one host
@@ -24,6 +25,9 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 SRUN_2X2 = ["srun", "-N", "2", "--ntasks-per-node=2", "--mpi=pmix", "--label"]
 #: seconds from the loss of a host to the end of the job, at most
 LOST_HOST_LIMIT_S = 10.0
+#: seconds a job that overran that limit may still take before it is cancelled (so that the
+#: failure reports how late it was, within reason)
+GRACE_S = 3.0
 
 
 def _by_task(out: str) -> list[str]:
@@ -75,25 +79,38 @@ CHECKS = ["topology", "allreduce", "allgather", "broadcast", "alltoall", "reduce
           "barrier", "join", "optimizer", "process sets", "shutdown"]
 
 
-@pytest.fixture(scope="module")
-def two_hosts_job(slurm):
-    """One run of two_hosts.py on 2 hosts x 2 ranks (its checks follow one another)."""
-    return slurm.run([*SRUN_2X2, sys.executable, str(WORKERS / "two_hosts.py")], timeout=300)
+@pytest.fixture(scope="module", params=["srun", "mpirun"])
+def two_hosts_job(request, slurm, tmp_path_factory) -> tuple[int, str]:
+    """One run of two_hosts.py on 2 hosts x 2 ranks (its checks follow one another): its exit
+    status and output. Under srun the topology comes from SLURM's variables; under mpirun,
+    inside a batch job, from the MPI processes that share a host's memory."""
+    worker = [sys.executable, str(WORKERS / "two_hosts.py")]
+    if request.param == "srun":
+        proc = slurm.run([*SRUN_2X2, *worker], timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr
+    folder = tmp_path_factory.mktemp("mpirun")
+    script = folder / "job.sh"
+    script.write_text("#!/bin/sh\n#SBATCH -N 2 --ntasks-per-node=2 -o out.txt\n"
+                      "mpirun -np 4 --map-by ppr:2:node --bind-to none --tag-output "
+                      + " ".join(worker) + "\n")
+    status, _ = slurm.submit_and_wait(script, timeout=300)
+    out = re.sub(r"\[1,\d+\]<std(?:out|err)>:", "", (folder / "out.txt").read_text())
+    return status, out
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_across_two_hosts(two_hosts_job, check):
-    out = two_hosts_job.stdout + two_hosts_job.stderr
+    status, out = two_hosts_job
     passed = [rank for rank in range(4) if f"rank {rank}: {check} ok" in out]
     assert passed == [0, 1, 2, 3], f"{check!r} passed only on ranks {passed}:\n{out}"
     if check == "shutdown":
-        assert two_hosts_job.returncode == 0, out
+        assert status == 0, out
 
 
 def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int, str]:
     """Run lose_host.py, whose ranks on h2 kill themselves at step 5. Returns the seconds from
-    the first of those deaths to the end of srun (None: srun still ran ``LOST_HOST_LIMIT_S``
-    + 5 s after it, and its job was cancelled then), srun's exit status and its output."""
+    the first of those deaths to the end of srun (None: srun still ran ``LOST_HOST_LIMIT_S +
+    GRACE_S`` after it, and its job was cancelled then), srun's exit status and its output."""
     mark, log = tmp_path / "killed_at", tmp_path / "srun.out"
     name = f"lose-h2-{os.getpid()}-{tmp_path.name}"
     cmd = [*SRUN_2X2, "-J", name, *srun_flags, sys.executable, str(WORKERS / "lose_host.py"),
@@ -113,7 +130,7 @@ def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int
         assert len(marks) == 2, f"the ranks on h2 did not both die:\n{log.read_text()}"
         killed_at = min(float(m.read_text()) for m in marks)
         try:
-            proc.wait(timeout=max(0.0, killed_at + LOST_HOST_LIMIT_S + 5 - time.time()))
+            proc.wait(timeout=max(0.0, killed_at + LOST_HOST_LIMIT_S + GRACE_S - time.time()))
             took = time.time() - killed_at
         except subprocess.TimeoutExpired:
             took = None
@@ -135,7 +152,7 @@ def _names_the_loss(text: str) -> bool:
 
 def _check_lost_host(took: float | None, returncode: int, out: str, text_naming_it: str) -> None:
     assert took is not None, (
-        f"the job still ran {LOST_HOST_LIMIT_S + 5:.0f} s after the ranks on h2 were killed "
+        f"the job still ran {LOST_HOST_LIMIT_S + GRACE_S:.0f} s after the ranks on h2 were killed "
         f"(cancelled then):\n{out}")
     assert took < LOST_HOST_LIMIT_S, f"the job ended {took:.1f} s after the kill:\n{out}"
     assert returncode != 0, out

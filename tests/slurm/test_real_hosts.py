@@ -108,7 +108,8 @@ def test_across_two_hosts(two_hosts_job, check):
 
 
 def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int, str]:
-    """Run lose_host.py, whose ranks on h2 kill themselves at step 5. Returns the seconds from
+    """Run lose_host.py, whose ranks on h2 kill themselves at step 5 (under
+    ``--kill-on-bad-exit`` SLURM may kill the second before it does). Returns the seconds from
     the first of those deaths to the end of srun (None: srun still ran ``LOST_HOST_LIMIT_S +
     GRACE_S`` after it, and its job was cancelled then), srun's exit status and its output."""
     mark, log = tmp_path / "killed_at", tmp_path / "srun.out"
@@ -121,13 +122,13 @@ def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int
     try:
         deadline = time.monotonic() + 120
         marks = []
-        while len(marks) < 2 and proc.poll() is None:
+        while not marks and proc.poll() is None:
             if time.monotonic() > deadline:
                 pytest.fail(f"the ranks on h2 did not reach step 5 in 120 s:\n"
                             f"{log.read_text()}\n{slurm.logs()}")
             time.sleep(0.05)
             marks = list(tmp_path.glob("killed_at.*"))
-        assert len(marks) == 2, f"the ranks on h2 did not both die:\n{log.read_text()}"
+        assert marks, f"no rank on h2 reached step 5:\n{log.read_text()}"
         killed_at = min(float(m.read_text()) for m in marks)
         try:
             proc.wait(timeout=max(0.0, killed_at + LOST_HOST_LIMIT_S + GRACE_S - time.time()))

@@ -169,8 +169,6 @@ def test_a_lost_host_ends_the_job_under_kill_on_bad_exit(slurm, tmp_path):
     print(f"--kill-on-bad-exit=1: the job ended {took:.1f} s after the ranks on h2 died")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="lost-peer detection under plain srun lands with the engine change")
 def test_a_lost_host_ends_the_job_under_plain_srun(slurm, tmp_path):
     # SLURM's default (KillOnBadExit=0) leaves the survivors running: they must notice the
     # loss themselves, and say which ranks and which host are gone (srun's own line about the

@@ -39,7 +39,7 @@ from .common.basics import (
     stop_timeline,
 )
 from .common.errors import HorovodInternalError, HostsUpdatedInterrupt, TopologyError
-from .common.gpu import GpuLayoutError
+from .common.gpu_layout import GpuLayoutError
 from .common.ops import (
     allgather,
     allgather_async,

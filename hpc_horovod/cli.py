@@ -1,12 +1,15 @@
 """``hpc-horovod``: one entry point, one sub-command per job a user has.
 
 Each sub-command lives in the module that does the work and registers itself through a
-``register(subparsers)`` function; this file only assembles them.
+``register(subparsers)`` function; this file only assembles them. No option may be abbreviated
+(``--gpus`` must never be read as ``--gpus-per-node``): every parser of the tree is a
+:class:`Parser`, whose unknown options are refused with the nearest known spellings.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -24,8 +27,42 @@ COMMAND_MODULES = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that takes no abbreviation of a long option, for itself and for
+    every sub-command parser made from it (``add_subparsers`` makes parsers of its class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def _parser_for(parser: argparse.ArgumentParser, args: argparse.Namespace
+                ) -> argparse.ArgumentParser:
+    """The innermost sub-command parser that ``args`` went through."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(args, action.dest, None)
+            if chosen in action.choices:
+                return _parser_for(action.choices[chosen], args)
+    return parser
+
+
+def unknown_options_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --gpu 2``, with the known options nearest to each unknown one."""
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
+    hints = []
+    for word in extras:
+        if word.startswith("-"):
+            name = word.split("=", 1)[0]
+            near = sorted((s for s in known if s.startswith(name)), key=len)[:3] or \
+                difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+            if near:
+                hints.append(f"{name}: did you mean {' or '.join(near)}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + "".join(f"\n  {h}" for h in hints)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hpc-horovod",
         description="Data-parallel training on SLURM clusters, Horovod style.",
     )
@@ -39,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        inner = _parser_for(parser, args)
+        inner.error(unknown_options_message(inner, extras))
     return exit_status(f"hpc-horovod {args.subcommand}", lambda: args.func(args))
 
 

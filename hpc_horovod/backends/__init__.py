@@ -31,6 +31,8 @@ class Composition:
     backend: Backend
     name: str
     mpi_threads: int | None
+    #: the job's own duplicate of the world (None without MPI)
+    comm: object = None
 
 
 def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Composition:
@@ -48,9 +50,10 @@ def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Compo
     if nccl is not None:
         from .routed import RoutedBackend
 
-        return Composition(topo, RoutedBackend(backend, nccl), "nccl", threads)
+        return Composition(topo, RoutedBackend(backend, nccl), "nccl", threads,
+                           mpi_comm)
     device_comm.Free()
-    return Composition(topo, backend, "mpi", threads)
+    return Composition(topo, backend, "mpi", threads, mpi_comm)
 
 
 def _complete_topology(topo, comm):
@@ -151,10 +154,10 @@ def _nccl_backend(topo, mpi_comm, settings: Settings):
     """NCCL for GPU buffers when every rank has CuPy, NCCL and a GPU of its own; else None
     (GPU tensors then travel through host memory over MPI, said once by rank 0). Collective:
     NCCL needs every rank, so the ranks decide together, and whether two ranks of a node would
-    share a GPU is known only by comparing their GPUs (``gpu.shared_gpus``)."""
+    share a GPU is known only by comparing their GPUs (``gpu_layout.shared_gpus``)."""
     import socket
 
-    from ..common import gpu
+    from ..common import gpu_layout, gpu_probe
 
     count = 0
     try:
@@ -165,21 +168,22 @@ def _nccl_backend(topo, mpi_comm, settings: Settings):
         pass
     device = bus_id = warning = None
     if count:
-        choice, warning = gpu.choose_device_backend()
-        if choice == gpu.NCCL:
-            device = gpu.select_gpu(topo.local_rank, topo.local_size, os.environ, count,
-                                    exclusive=False)
-            bus_id = gpu.device_bus_id(device)
+        choice, warning = gpu_probe.choose_device_backend()
+        if choice == gpu_probe.NCCL:
+            device = gpu_layout.select_gpu(topo.local_rank, topo.local_size, os.environ,
+                                           count, exclusive=False)
+            bus_id = gpu_layout.device_bus_id(device)
     ranks = mpi_comm.allgather((socket.gethostname(), bus_id, count, warning))
     entries = [(host, bus) for host, bus, _, _ in ranks]
     if all(bus is not None for _, bus in entries):
-        shared = gpu.shared_gpus(entries)
-        if not shared or gpu.multi_rank_gpu_allowed(gpu.nccl_built(), os.environ):
+        shared = gpu_layout.shared_gpus(entries)
+        if not shared or gpu_layout.multi_rank_gpu_allowed(gpu_probe.nccl_built(), os.environ):
             from .nccl import NcclBackend
 
             node = topo.cross_rank if settings.hierarchical_allreduce else None
             return NcclBackend(mpi_comm, device, node_id=node)
-        why = f"{gpu.sharing_message(shared, entries)} GPU tensors go through host memory (MPI)."
+        why = (f"{gpu_layout.sharing_message(shared, entries)} GPU tensors go through host "
+               "memory (MPI).")
     else:
         why = next((f"rank {r}: {w}" for r, (_, _, _, w) in enumerate(ranks) if w), None)
         if why is None and any(c for _, _, c, _ in ranks):

@@ -29,9 +29,10 @@ class Backend:
         raise NotImplementedError(f"{self.name} does not support {op}")
 
     # -- negotiation (host memory, small) --------------------------------------------------------
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         """In-place bitwise AND of ``words`` over the set; raise HorovodInternalError when a
-        peer does not come within ``timeout_s`` (0: wait for ever)."""
+        peer does not come within ``timeout_s`` (0: wait for ever), and ``alarm.error`` as soon
+        as it is set while waiting."""
         self._unsupported("negotiate")
 
     def allgather_object(self, obj) -> list:
@@ -92,6 +93,11 @@ class Backend:
         """Raise when the backend saw an asynchronous failure (NCCL: a lost peer or link);
         the host backends have none."""
         return None
+
+    def abort(self) -> None:
+        """After an engine error: end this set's device communicators at once, so that no
+        device work waits for ever on a peer that is gone (NCCL: ``ncclCommAbort``); the host
+        backends have none, and inherit this no-op."""
 
     def sub(self, ranks) -> Backend | None:
         """Collective over this set: a backend for ``ranks`` (None on a rank outside them)."""

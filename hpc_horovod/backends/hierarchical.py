@@ -15,7 +15,8 @@ and ``Win.Allocate_shared``). An allreduce goes in chunks of at most half a wind
 
 A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
 sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
-are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, and yields its core meanwhile.
+are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once when the engine's
+alarm (handed over at each negotiation) says a peer failed, and yields its core meanwhile.
 After the second arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 
@@ -173,6 +174,8 @@ class NodeWindow:
         self.counters = self.ctrl[:self.size * _LINE:_LINE]  # every rank's arrivals
         self.offsets = self.ctrl[1:self.size * _LINE:_LINE]  # where their data lies
         self.seq = 0
+        #: the engine's alarm (``.error`` set when a peer failed), from the last negotiation
+        self.alarm = None
         self.win.Sync()
         node.Barrier()
         self.win.Sync()
@@ -227,6 +230,9 @@ class NodeWindow:
             now = time.perf_counter()
             if now < spin_until:
                 continue
+            alarm = self.alarm
+            if alarm is not None and alarm.error is not None:
+                raise alarm.error.copy()
             if now < yield_until:
                 os.sched_yield()
                 continue
@@ -290,6 +296,12 @@ class HierarchicalBackend(MpiBackend):
         self.cross_size = cross.Get_size()
         self.window_bytes, self.timeout_s = window_bytes, timeout_s
         self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
+
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
+        """:meth:`MpiBackend.negotiate`; the window's waits for peers of the cycle it starts
+        give up as soon as ``alarm.error`` is set too."""
+        self.window.alarm = alarm
+        super().negotiate(words, timeout_s, alarm)
 
     # -- memory ----------------------------------------------------------------------------------
     def bucket_memory(self, nbytes: int) -> np.ndarray | None:

@@ -69,10 +69,11 @@ class MpiBackend(Backend):
         self._waiter = RequestWaiter(self.size)
 
     # -- negotiation ---------------------------------------------------------------------------
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
-        """In-place bitwise AND of ``words`` over the set; raise if peers never arrive."""
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
+        """In-place bitwise AND of ``words`` over the set; raise if peers never arrive, or
+        as soon as ``alarm.error`` is set."""
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
-        self._waiter.wait(req, timeout_s, "negotiation")
+        self._waiter.wait(req, timeout_s, "negotiation", alarm)
 
     def allgather_object(self, obj):
         return self.comm.allgather(obj)

@@ -1,16 +1,24 @@
 """NCCL backend (``cupy.cuda.nccl``): device buffers on a dedicated CUDA stream.
 
-:class:`NcclBackend` is an :class:`~hpc_horovod.backends.mpi.MpiBackend` whose data methods take
-device (cupy) buffers too: negotiation and every host (numpy) buffer go over its MPI
-communicator, device buffers over an NCCL communicator of the same ranks. That communicator is
+:class:`NcclBackend` moves device (cupy) buffers over an NCCL communicator; it is an
+:class:`~hpc_horovod.backends.mpi.MpiBackend` for its small host collectives (the NCCL id, the
+hierarchical stage's communicators). Host buffers and the negotiation go to the host backend,
+which :class:`~hpc_horovod.backends.routed.RoutedBackend` pairs it with. The NCCL communicator is
 created at the first device collective from a unique id made on rank 0 and broadcast over MPI;
 the engine reaches that point in the same order on every rank, as ncclCommInitRank requires.
 
-Ordering: all device work runs on the device's non-blocking stream (``common/gpu.py``'s
-:class:`~hpc_horovod.common.gpu.DeviceStream`, one per GPU and process). The binding records an
-event on the producer's stream when it submits a tensor, the engine makes the stream wait for it
-(:meth:`NcclBackend.wait_for`), and after the collective the consumer's stream waits for
+Ordering: all device work runs on the device's non-blocking stream
+(:class:`~hpc_horovod.common.gpu_stream.DeviceStream`, one per GPU and process). The binding
+records an event on the producer's stream when it submits a tensor, the engine makes the stream
+wait for it (:meth:`NcclBackend.wait_for`), and after the collective the consumer's stream waits for
 :meth:`NcclBackend.done_event`: no host or device-wide synchronization.
+
+Failures: a collective whose peer died never ends on the device, and nothing on the host waits
+for it. So the negotiation asks NCCL for asynchronous errors before it starts and while it waits
+for peers (:meth:`NcclBackend.check_async_error`, polled by ``RoutedBackend.negotiate``), and
+the engine, once it stops on an error, aborts every
+NCCL communicator (:meth:`NcclBackend.abort`), which ends their kernels: the training thread's
+next CUDA synchronization returns and its next op raises the engine's error.
 
 The module imports without CuPy; only :class:`NcclBackend` needs it.
 """
@@ -27,12 +35,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..common.errors import HorovodInternalError
-from ..common.gpu import (
+from ..common.gpu_probe import cuda_runtime_version, nccl_package
+from ..common.gpu_stream import (
     DeviceStream,
     array_module,
-    cuda_runtime_version,
     device_stream,
-    nccl_package,
+    on_device,
     pin_thread,
 )
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum, bfloat16
@@ -96,7 +104,8 @@ _HINTS = {
     # ncclInvalidArgument
     4: "The ranks called NCCL with invalid arguments: a bug, please report it.",
     # ncclInvalidUsage
-    5: ("NCCL refused how it is used: most often two ranks use one GPU (\"Duplicate GPU "
+    5: ("NCCL refused how it is used: most often two ranks use one GPU (NCCL 2.30 and newer: "
+        "\"Multiple Ranks are using the same GPU/Partition\"; older: \"Duplicate GPU "
         "detected\"). Give each rank its own: one rank per GPU (`--ntasks-per-node` = GPUs per "
         "node, or `srun --gpus-per-task=1`), a different CUDA_VISIBLE_DEVICES per rank when a "
         "launcher sets it, or NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1. Otherwise the ranks "
@@ -243,15 +252,13 @@ def mpi_wire_dtype(dtype, op: int) -> np.dtype:
 
 
 class CrossAllreduce:
-    """Allreduce of one shard across nodes over MPI: in place on the device when MPI is
-    CUDA-aware, else through a pinned host buffer. The shard is widened first
-    (:func:`mpi_wire_dtype`), on the stream, so that MPI, which knows no streams, only reads a
-    buffer whose every kernel has finished."""
+    """Allreduce of one shard across nodes over MPI, through a pinned host buffer for a device
+    shard. The shard is widened first (:func:`mpi_wire_dtype`), on the stream; the copy to the
+    host waits for the stream, so MPI, which knows no streams, reads finished data."""
 
-    def __init__(self, cross: MpiBackend, stream=None, staged: bool = False):
+    def __init__(self, cross: MpiBackend, stream=None):
         self.cross = cross
         self.stream = stream
-        self.staged = staged
         self._host = FusionBuffers(self._pinned)
 
     @staticmethod
@@ -265,14 +272,11 @@ class CrossAllreduce:
         wide = shard.astype(wire) if wire != shard.dtype else shard
         if self.stream is None:  # host memory
             self.cross.allreduce(wide, op)
-        elif self.staged:
+        else:
             host = self._host.get(wide.dtype, wide.size)
             wide.get(stream=self.stream, out=host)  # blocking: waits for the stream
             self.cross.allreduce(host, op)
             wide.set(host, stream=self.stream)
-        else:
-            self.stream.synchronize()  # every kernel writing ``wide`` (the widening too) done
-            self.cross.allreduce(wide, op)
         if wide is not shard:
             array_module(shard).copyto(shard, wide, casting="unsafe")
 
@@ -324,13 +328,12 @@ def _device_array(array) -> None:
 # -- the backend -----------------------------------------------------------------------------------
 class NcclBackend(MpiBackend):
     """A process set's communicators: MPI for negotiation and host buffers (inherited), NCCL
-    for device buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce;
-    ``cuda_aware_mpi`` lets its inter-node step hand device pointers to MPI."""
+    for device buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce
+    where the set spans several nodes."""
 
     name = "nccl"
 
-    def __init__(self, mpi_comm, device: int, *, node_id: int | None = None,
-                 cuda_aware_mpi: bool = False):
+    def __init__(self, mpi_comm, device: int, *, node_id: int | None = None):
         import cupy
         from cupy.cuda import nccl
 
@@ -342,7 +345,6 @@ class NcclBackend(MpiBackend):
         self._cupy, self._nccl = cupy, nccl
         self.device = int(device)
         self.node_id = node_id
-        self.cuda_aware_mpi = cuda_aware_mpi
         # Nothing touches the device here (init runs on the caller's thread, which may have no
         # context on it yet): the stream, the communicator and the buffers come with the first
         # device collective, on the thread that runs it, pinned to the device.
@@ -414,10 +416,14 @@ class NcclBackend(MpiBackend):
                                 "ranks on every node; using a flat NCCL allreduce instead")
                 self.node_id = None
                 return None
-            local = NcclBackend(comms[0], self.device)
-            cross = CrossAllreduce(MpiBackend(comms[1]), self.stream,
-                                   staged=not self.cuda_aware_mpi)
-            self._hierarchy = HierarchicalAllreduce(local, cross)
+            local, cross = comms
+            if cross.Get_size() == 1:  # one node: nothing crosses nodes, the flat allreduce
+                local.Free()           # is the same reduction in one NCCL call
+                cross.Free()
+                self.node_id = None
+                return None
+            self._hierarchy = HierarchicalAllreduce(
+                NcclBackend(local, self.device), CrossAllreduce(MpiBackend(cross), self.stream))
         return self._hierarchy
 
     def _const(self, name: str) -> int:
@@ -426,34 +432,35 @@ class NcclBackend(MpiBackend):
 
     # -- device data -------------------------------------------------------------------------------
     def allreduce(self, buf, op: int, send=None) -> None:
-        """In-place reduction of ``buf`` over the set (host buffers: from ``send`` when given,
-        as :meth:`MpiBackend.allreduce`)."""
-        if isinstance(buf, np.ndarray):
-            return super().allreduce(buf, op, send)
+        """Reduction of ``buf`` over the set, in place, or from ``send`` (same shape and dtype)
+        into ``buf``: NCCL reads one buffer and writes the other, with no copy of ours."""
         _device_array(buf)
+        source = buf if send is None else send
+        _device_array(source)
         plan = reduction_plan(buf.dtype, op)
         if buf.size == 0:
             return None
         with self.activate():
             if plan.stage is not None:
-                wide = buf.astype(plan.stage)
+                wide = source.astype(plan.stage)
                 self.allreduce(wide, op)
                 self._cupy.copyto(buf, wide, casting="unsafe")
                 return None
             hierarchy = self._hierarchical()
             if hierarchy is not None:
+                if source is not buf:
+                    buf[...] = source
                 hierarchy(buf, op)
                 return None
             comm = self._communicator()
             with _nccl_errors(self._nccl, "allreduce"):
-                comm.allReduce(_ptr(buf), _ptr(buf), buf.size, self._const(plan.nccl_type),
-                               self._const(plan.nccl_op), self.stream.ptr)
+                comm.allReduce(_ptr(source), _ptr(buf), buf.size,
+                               self._const(plan.nccl_type), self._const(plan.nccl_op),
+                               self.stream.ptr)
         return None
 
     def allgatherv(self, send, recv, counts) -> None:
         """Rank r's ``counts[r]`` elements, laid end to end in ``recv`` on every rank."""
-        if isinstance(send, np.ndarray):
-            return super().allgatherv(send, recv, counts)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -476,8 +483,6 @@ class NcclBackend(MpiBackend):
 
     def bcast(self, buf, root: int) -> None:
         """Rank ``root``'s ``buf`` on every rank, in place."""
-        if isinstance(buf, np.ndarray):
-            return super().bcast(buf, root)
         _device_array(buf)
         if buf.nbytes == 0:
             return None
@@ -490,8 +495,6 @@ class NcclBackend(MpiBackend):
 
     def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
         """Rank i sends ``send_counts[j]`` elements to rank j, grouped send/recv pairs."""
-        if isinstance(send, np.ndarray):
-            return super().alltoallv(send, send_counts, recv, recv_counts)
         _device_array(send)
         _device_array(recv)
         item = send.dtype.itemsize
@@ -509,8 +512,6 @@ class NcclBackend(MpiBackend):
 
     def reduce_scatter(self, send, recv, counts, op: int) -> None:
         """Reduce ``send`` over the set; this rank keeps its ``counts[rank]`` elements."""
-        if isinstance(send, np.ndarray):
-            return super().reduce_scatter(send, recv, counts, op)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -538,18 +539,35 @@ class NcclBackend(MpiBackend):
 
     # -- health and lifetime -----------------------------------------------------------------------
     def check_async_error(self) -> None:
-        """Raise if NCCL saw an asynchronous failure (a peer or a link lost); cheap to poll."""
+        """Raise HorovodInternalError, naming this rank, if NCCL saw an asynchronous failure on
+        one of this set's communicators (a peer or a link lost); cheap to poll."""
+        if self._hierarchy is not None:
+            self._hierarchy.local.check_async_error()
         if self._nccl_comm is not None:
-            with _nccl_errors(self._nccl, "communication"):
+            with _nccl_errors(self._nccl, f"communication on rank {self.rank}"):
                 self._nccl_comm.check_async_error()
+
+    def abort(self) -> None:
+        """End this set's NCCL communicators at once (``ncclCommAbort``), the hierarchical
+        node-local one too: their kernels stop, so no stream and no thread waiting on one
+        stays blocked behind a collective whose peer is gone. The engine calls it when it
+        stops on an error; the MPI communicator stays for :meth:`free`."""
+        if self._hierarchy is not None:
+            self._hierarchy.local.abort()
+        if self._nccl_comm is not None:
+            comm, self._nccl_comm = self._nccl_comm, None
+            log.warning("rank %d: aborting the NCCL communicator after an error", self.rank)
+            try:
+                comm.abort()
+            except Exception as exc:  # noqa: BLE001 - the engine's own error is the one to see
+                log.warning("rank %d: ncclCommAbort failed: %s", self.rank, exc)
 
     def sub(self, ranks) -> NcclBackend | None:
         """Collective over this set: a backend for ``ranks`` (None on non-members)."""
         comm = self._sub_comm(ranks)
         if comm is None:
             return None
-        return NcclBackend(comm, self.device, node_id=self.node_id,
-                           cuda_aware_mpi=self.cuda_aware_mpi)
+        return NcclBackend(comm, self.device, node_id=self.node_id)
 
     def free_device(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Destroy the NCCL communicators and drop the device buffers once the stream has
@@ -577,17 +595,17 @@ class NcclBackend(MpiBackend):
         """Wait for the stream to finish; False when it did not (see :meth:`free_device`)."""
         if self._device._stream is None:  # no device work ever ran
             return True
-        pin_thread(self.device)  # this thread may not have run any device work yet
         deadline = time.monotonic() + timeout_s
-        while not self.stream.done:
-            try:
-                self.check_async_error()
-            except HorovodInternalError as exc:
-                log.warning("%s", exc)
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
+        with on_device(self.device):  # this thread may not have run any device work yet
+            while not self.stream.done:
+                try:
+                    self.check_async_error()
+                except HorovodInternalError as exc:
+                    log.warning("%s", exc)
+                    return False
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
         return True
 
     def free(self) -> None:

@@ -1,12 +1,33 @@
 """A host backend and a device backend over the same ranks, as one: each call goes to the backend
 of the memory its buffer lives in (numpy arrays: the host backend), the negotiation and the other
-small host collectives to the host backend. :func:`hpc_horovod.backends.compose` builds it."""
+small host collectives to the host backend. :func:`hpc_horovod.backends.compose` builds it.
+
+A collective whose peer died never ends on the device, and the host knows nothing of it: the
+negotiation therefore asks the device backend for asynchronous errors before it starts and at
+every poll while it waits for peers (:class:`DeviceWatch`), so that such a failure ends the
+wait at once instead of after the peer timeout."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .base import Backend
+
+
+class DeviceWatch:
+    """The engine's alarm (``.error``: a peer failed, see ``common.watch``) as the waits of the
+    host backend see it, with the device backend's asynchronous error check run at every look:
+    that check raises HorovodInternalError itself."""
+
+    __slots__ = ("alarm", "check")
+
+    def __init__(self, alarm, check):
+        self.alarm, self.check = alarm, check
+
+    @property
+    def error(self):
+        self.check()
+        return None if self.alarm is None else self.alarm.error
 
 
 class RoutedBackend(Backend):
@@ -20,8 +41,10 @@ class RoutedBackend(Backend):
         return self.host if isinstance(buf, np.ndarray) else self.on_device
 
     # -- negotiation ---------------------------------------------------------------------------
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
-        self.host.negotiate(words, timeout_s)
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
+        check = self.on_device.check_async_error
+        check()
+        self.host.negotiate(words, timeout_s, DeviceWatch(alarm, check))
 
     def allgather_object(self, obj) -> list:
         return self.host.allgather_object(obj)
@@ -66,6 +89,10 @@ class RoutedBackend(Backend):
 
     def check_async_error(self) -> None:
         self.on_device.check_async_error()
+
+    def abort(self) -> None:
+        self.on_device.abort()
+        self.host.abort()
 
     def sub(self, ranks) -> RoutedBackend | None:
         host, device = self.host.sub(ranks), self.on_device.sub(ranks)

@@ -14,7 +14,7 @@ class SingleBackend(Backend):
     rank = 0
     size = 1
 
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         return None
 
     def allgather_object(self, obj):

@@ -15,9 +15,10 @@ import time
 from ..common import patience
 from ..common.errors import HorovodInternalError
 
-#: Requests given up on. A peer that comes late still completes them, and MPI then writes into
-#: their receive buffers: mpi4py's request holds those buffers, so it must never be freed.
-_abandoned: list = []
+#: Requests given up on, and the backends of engines that failed. A peer that comes late still
+#: completes such a request, and MPI then writes into its receive buffer (which mpi4py's
+#: request holds) through its communicator (which the backend holds): neither may be freed.
+abandoned: list = []
 
 
 class RequestWaiter:
@@ -26,11 +27,23 @@ class RequestWaiter:
     def __init__(self, size: int):
         self.size = size
 
-    def wait(self, req, timeout_s: float, what: str) -> None:
+    def wait(self, req, timeout_s: float, what: str, alarm=None) -> None:
         """Return once ``req`` completes; raise HorovodInternalError after ``timeout_s``
-        (0: never) naming ``what`` was waited for."""
+        (0: never) naming ``what`` was waited for, or ``alarm.error`` as soon as it is set
+        (a peer was lost or failed: see ``common.watch``).
+
+        A wait that ends without the request (a timeout, the alarm, an interrupt such as
+        KeyboardInterrupt or a signal handler's exception) gives the request up for good:
+        MPI may still write into its buffers, which it keeps alive."""
         if req.Test():
             return
+        try:
+            self._wait(req, timeout_s, what, alarm)
+        except BaseException:
+            abandoned.append(req)
+            raise
+
+    def _wait(self, req, timeout_s: float, what: str, alarm) -> None:
         start = time.perf_counter()
         spin_until = start + 50e-6
         yield_until = start + patience.yield_s()
@@ -38,14 +51,16 @@ class RequestWaiter:
             now = time.perf_counter()
             if now < spin_until:
                 continue
+            if alarm is not None and alarm.error is not None:
+                raise alarm.error.copy()
             if now < yield_until:
                 os.sched_yield()
                 continue
             if timeout_s and now - start > timeout_s:
-                _abandoned.append(req)
                 raise HorovodInternalError(
                     f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s "
-                    f"({what}): a peer process died or is blocked outside Python (raise "
-                    "HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for longer)"
+                    f"({what}): a peer process is blocked outside Python, or its host stopped "
+                    "answering (raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops "
+                    "for longer)"
                 )
             time.sleep(20e-6 if now - start < 0.01 else 200e-6)

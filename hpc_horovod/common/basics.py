@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..backends import compose
-from . import gpu
+from . import gpu_layout
 from . import topology as topology_mod
 from .config import Settings
 from .engine import Engine
-from .errors import NOT_INITIALIZED, HorovodInternalError
-from .gpu import cuda_built, nccl_built  # noqa: F401 - part of the API
+from .errors import NOT_INITIALIZED, SHUT_DOWN, HorovodInternalError
+from .gpu_probe import cuda_built, nccl_built  # noqa: F401 - part of the API
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -105,9 +105,19 @@ class Runtime:
         if settings.timeline and settings.timeline != "DYNAMIC" and topo.rank == 0:
             timeline = Timeline(settings.timeline, settings.timeline_mark_cycles, composed.name)
         self.engine = engine = Engine(composed.backend, settings, timeline)
+        #: the first failure's one-line summary, once rank 0 printed it
+        self.summary_printed = False
+        self.first_culprit = ""
+        self.told = False  # the peers know why this rank stops
+        self.watch = None
+        if topo.size > 1:
+            from .watch import PeerWatch
+
+            self.watch = PeerWatch(composed.comm, self._peer_failed)
+            engine.on_local_error = lambda error: self.tell_peers(str(error).splitlines()[0])
         #: id -> the ProcessSet object handed to the user (0: the global set)
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
-        self._counters: dict[tuple[int, str], int] = {}
+        self._counters: dict[tuple[int, str, int], int] = {}
         self._lock = threading.Lock()
         for ps in process_sets:
             if not isinstance(ps, ProcessSet):
@@ -124,17 +134,64 @@ class Runtime:
 
     def next_name(self, process_set_id: int, kind: str) -> str:
         """Horovod's automatic names: identical on ranks that submit unnamed ops in one
-        order."""
+        order. A completed join is a point every member reaches together, so the counters
+        restart there, under a new prefix: ranks whose unnamed ops differed while some had
+        joined (and the others got join's refusals) agree again afterwards."""
+        epoch = self.engine.join_epoch(process_set_id)
         with self._lock:
-            key = (process_set_id, kind)
+            key = (process_set_id, kind, epoch)
             n = self._counters.get(key, 0)
             self._counters[key] = n + 1
-        return f"{kind}.noname.{n}"
+        return f"{kind}.noname.{n}" if not epoch else f"{kind}.noname.{epoch}.{n}"
+
+    def tell_peers(self, reason: str) -> None:
+        """This rank stops on an error of its own: the peers' engines stop with ``reason``,
+        whatever they are doing, and their errors name this rank."""
+        if self.watch is not None and not self.told and self.engine._alarm.error is None:
+            self.told = True
+            self.watch.tell(reason)
+
+    def _peer_failed(self, text: str, culprit: str, lost: bool, first: bool) -> None:
+        """From the watch's thread: a peer failed (``text`` says why) or was lost. The engine
+        stops with the error, so that pending and later ops raise it. A lost rank breaks MPI's
+        world for good: if the script has not ended by itself ``LOST_GRACE_S`` later (its error
+        caught, or a thread blocked in MPI), the process ends, non-zero, as its launcher would
+        end it with ``--kill-on-bad-exit``."""
+        error = HorovodInternalError(f"{SHUT_DOWN} {text}")
+        error.culprit = culprit
+        self.engine.peer_failed(error)
+        if first:
+            self.first_culprit = culprit
+        if lost and self.topology.rank == 0:
+            self.print_summary(self.first_culprit)
+        if lost:
+            timer = threading.Timer(LOST_GRACE_S, self._exit_after_loss, args=(text,))
+            timer.daemon = True
+            timer.start()
+
+    def _exit_after_loss(self, text: str) -> None:
+        print(f"[hpc_horovod] rank {self.topology.rank}: exiting, {text[0].lower()}{text[1:]}",
+              file=sys.stderr)
+        _exit_now(1)
+
+    def print_summary(self, culprit: str) -> None:
+        """Rank 0's one line for the whole job, once."""
+        if not self.summary_printed:
+            self.summary_printed = True
+            print(f"[hpc_horovod] job failed: {culprit.splitlines()[0]}", file=sys.stderr,
+                  flush=True)
 
     def release(self) -> None:
         """Free what this runtime holds, locally (never a collective that waits for a peer):
-        the backends' communicators, and the ids of its process sets."""
-        self.engine.free_backends()
+        the side channel (a normal end for the peers), the backends' communicators, and the
+        ids of its process sets. After a failure the communicators stay: MPI may still
+        complete an operation this rank gave up on, and writes into them."""
+        if self.watch is not None:
+            self.watch.close()
+        if self.engine.error is None:
+            self.engine.free_backends()
+        else:
+            self.engine.abandon_backends()
         for ps in self.process_sets.values():
             if ps is not global_process_set:
                 ps.process_set_id = None
@@ -171,6 +228,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
             return
         _runtime.release()
         _runtime = None
+    if os.environ.get("HPC_HOROVOD_REQUEUE_SIGNAL"):  # SLURM may send it while the job starts
+        importlib.import_module("hpc_horovod.slurm.requeue").catch_early_signal()
     _runtime = Runtime(comm, process_sets or ())
     _install_hooks()
 
@@ -190,8 +249,8 @@ def _install_hooks() -> None:
     sys.excepthook = excepthook
 
 
-#: how long a failing rank waits for its peers to learn why it stops, before it exits anyway
-TELL_PEERS_S = 10.0
+#: how long a rank whose peer was lost lets its script end by itself before it exits
+LOST_GRACE_S = 3.0
 
 
 def _end_job(kind, value) -> None:
@@ -203,11 +262,9 @@ def _end_job(kind, value) -> None:
     runtime = _runtime
     if runtime is None or runtime.topology.size == 1:
         return
-    engine = runtime.engine
-    if engine.error is None and not engine.stopped:
+    if not (isinstance(value, HorovodInternalError) and (value.agreed or value.culprit)):
         try:
-            engine.shutdown(reason=f"{kind.__name__}: {value}",
-                            timeout_s=min(TELL_PEERS_S, runtime.settings.peer_timeout_s or 1e9))
+            runtime.tell_peers(f"{kind.__name__}: {value}".splitlines()[0])
         except Exception:  # noqa: BLE001 - never mask the user's exception
             pass
     if runtime.topology.rank == 0:
@@ -216,7 +273,7 @@ def _end_job(kind, value) -> None:
             culprit = (f"a collective failed on every rank: {value}"
                        if isinstance(value, HorovodInternalError)
                        else f"rank 0 failed first: {kind.__name__}: {value}")
-        print(f"[hpc_horovod] job failed: {culprit.splitlines()[0]}", file=sys.stderr)
+        runtime.print_summary(culprit)
     _exit_now(1)
 
 
@@ -428,8 +485,8 @@ def pin_gpu(framework: str | None = None, *, exclusive: bool = True) -> int | No
     if framework is not None:
         importlib.import_module(framework)
     env = os.environ
-    runtime = None if "CUDA_VISIBLE_DEVICES" in env else gpu.runtime_count(framework)
-    device = gpu.select_gpu(local_rank(), local_size(), env, runtime,
+    runtime = None if "CUDA_VISIBLE_DEVICES" in env else gpu_layout.runtime_count(framework)
+    device = gpu_layout.select_gpu(local_rank(), local_size(), env, runtime,
                         exclusive=exclusive)
     if device is None:
         return None

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from ..backends.waiting import abandoned
 from .collectives import (
     adasum_one,
     allgather_group,
@@ -139,6 +140,8 @@ class ProcessSetState:
         self.pending: dict[str, Request] = {}
         self.join_request: Request | None = None
         self.join_cycle = 0
+        #: joins completed on this set: automatic names restart after each (see join_epoch)
+        self.joins = 0
         self.last_stall_report = time.monotonic()
         self._plans: dict[int, Plan] = {}
         self._plans_generation = -1
@@ -156,6 +159,16 @@ class ProcessSetState:
             sigs = [cache.signature(name) for name in names]
             plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
         return plan
+
+
+class _Alarm:
+    """Set by the thread that watches the peers (``common.watch``) when one failed or was
+    lost; every wait of a cycle gives up with it, and so does the next cycle."""
+
+    __slots__ = ("error",)
+
+    def __init__(self):
+        self.error: HorovodInternalError | None = None
 
 
 class _Synchronous:
@@ -206,7 +219,7 @@ class Engine:
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
         self._handle_counter = _HANDLES
-        self._shutdown_reason: str | None = None
+        self._shutting_down = False  # shutdown() was called: the next cycle says so
         self._error: HorovodInternalError | None = None
         #: the error a later op gets after peers shut down while this rank had nothing pending
         #: (its script may be about to end too: that is no failure)
@@ -214,6 +227,10 @@ class Engine:
         self._stopped = False
         self._closed = False  # any of: shutdown asked, engine failed, engine stopped
         self._worked = False  # the current cycle had something to do, here or on a peer
+        self._alarm = _Alarm()
+        #: called once with the error when this engine stops on an error of its own (not one
+        #: every rank reached together, not a peer's): the peers must learn it
+        self.on_local_error = None
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
@@ -234,6 +251,12 @@ class Engine:
             return self._members[ps_id]
         except KeyError:
             raise ValueError(f"process set {ps_id} does not exist (or was removed)") from None
+
+    def join_epoch(self, ps_id: int) -> int:
+        """How many joins completed on the set: the same on every member once its join
+        returned, whatever collectives each rank submitted before (see basics.next_name)."""
+        state = self._sets.get(ps_id)
+        return 0 if state is None else state.joins
 
     def process_set_ids(self) -> list[int]:
         return sorted(self._members)
@@ -362,16 +385,22 @@ class Engine:
                     if not req.done:
                         self._done.wait(1.0)
 
-    def shutdown(self, reason: str | None = None, timeout_s: float | None = None) -> None:
-        """Stop on every rank: peers learn ``reason`` (None for a normal exit). Waits for the
-        engine thread's last cycle, at most ``timeout_s`` (None: as long as it takes)."""
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop on every rank (a normal end: a failure reaches the peers through
+        ``common.watch``). Waits for the engine thread's last cycle, at most ``timeout_s``
+        (None: as long as it takes)."""
         with self._cond:
-            if self._shutdown_reason is None:
-                self._shutdown_reason = reason or ""
-                self._closed = True
+            self._shutting_down = self._closed = True
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+
+    def peer_failed(self, error: HorovodInternalError) -> None:
+        """A peer failed or was lost (from the watch's thread): the cycle under way gives up
+        and the engine stops with ``error``; the next op raises it."""
+        if self._alarm.error is None:
+            self._alarm.error = error
+        self._wake()
 
     @property
     def stopped(self) -> bool:
@@ -387,7 +416,7 @@ class Engine:
             raise self._error.copy()
         if self._stopped_by_peers is not None:
             raise self._stopped_by_peers.copy()
-        if self._stopped or self._shutdown_reason is not None:
+        if self._stopped or self._shutting_down:
             raise ValueError(SHUT_DOWN)
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -401,20 +430,20 @@ class Engine:
     def _loop(self) -> None:
         cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
         while not self._stopped:
-            if self._callers and self._shutdown_reason is None:
+            if self._callers and not self._shutting_down:
                 # Callers run the cycles, and every cycle admits the whole queue: a cycle here
                 # would only make them wait for it (two thread switches and a GIL hand-off on
                 # a shared core). Submissions do not notify meanwhile (_sleeping stays False);
                 # the last caller to go hands over what is left (_leave).
                 with self._cond:
-                    if self._callers and self._shutdown_reason is None:
+                    if self._callers and not self._shutting_down:
                         self._cond.wait(cycle_s)
                 continue
             woken = False
-            if not self._queue and self._shutdown_reason is None:
+            if not self._queue and not self._shutting_down:
                 with self._cond:
                     self._sleeping = True  # set before looking: see submit
-                    if not self._queue and self._shutdown_reason is None:
+                    if not self._queue and not self._shutting_down:
                         woken = self._cond.wait(idle_s)
                     self._sleeping = False
             with self._cycle_lock:
@@ -440,7 +469,7 @@ class Engine:
                                         for ps in self._sets.values())
 
     def _idle(self) -> bool:
-        return (not self._queue and self._shutdown_reason is None
+        return (not self._queue and not self._shutting_down
                 and not any(ps.pending or ps.join_request for ps in self._sets.values()))
 
     def _guarded_cycle(self) -> None:
@@ -466,7 +495,9 @@ class Engine:
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;
         True when the engine must stop."""
-        reason = self._shutdown_reason
+        if self._alarm.error is not None:
+            raise self._alarm.error.copy()
+        shutting_down = self._shutting_down
         queue, sets, tl = self._queue, self._sets, self.timeline
         now = time.monotonic()
         while queue:
@@ -482,7 +513,7 @@ class Engine:
         self._cycles += 1
         if tl is not None and self.settings.timeline_mark_cycles:
             tl.mark_cycle()
-        if self._cycle_set(sets[0], reason):
+        if self._cycle_set(sets[0], shutting_down):
             return True
         for ps_id in sorted(sets):
             if ps_id != 0 and ps_id in sets:
@@ -500,7 +531,7 @@ class Engine:
             ps.join_request = req
             ps.join_cycle = self._cycles
 
-    def _cycle_set(self, ps: ProcessSetState, shutdown_reason: str | None) -> bool:
+    def _cycle_set(self, ps: ProcessSetState, shutting_down: bool) -> bool:
         """One negotiation and execution round on ``ps``; True when the engine must stop."""
         backend, cache, pending = ps.backend, ps.cache, ps.pending
         or_flags, bits = 0, 0
@@ -522,11 +553,11 @@ class Engine:
                 or_flags |= FLAG_STALL
             if settings.stall_shutdown_time_s and age > settings.stall_shutdown_time_s:
                 or_flags |= FLAG_ABORT
-        if shutdown_reason is not None:
+        if shutting_down:
             or_flags |= FLAG_SHUTDOWN
         and_flags = FLAG_JOINED if joined else 0
         words = pack_words(or_flags, and_flags, bits, cache.nwords)
-        backend.negotiate(words, settings.peer_timeout_s)
+        backend.negotiate(words, settings.peer_timeout_s, self._alarm)
         or_all, and_all, ready_bits = unpack_words(words)
         all_joined = bool(and_all & FLAG_JOINED)
 
@@ -543,7 +574,7 @@ class Engine:
         if or_all & _FULL:
             names, sigs = (list(plan.names), list(plan.sigs)) if plan is not None else ([], [])
             known = len(names)
-            stop = self._full_negotiation(ps, or_all, shutdown_reason, names, sigs, reqs)
+            stop = self._full_negotiation(ps, or_all, shutting_down, names, sigs, reqs)
             if len(names) > known:
                 plan = Plan(names, sigs, settings.fusion_threshold)
                 reqs = [reqs[i] for i in plan.order]
@@ -553,12 +584,12 @@ class Engine:
             self._finish_join(ps)
         return stop
 
-    def _full_negotiation(self, ps, or_all, shutdown_reason, names, sigs, reqs) -> bool:
+    def _full_negotiation(self, ps, or_all, shutting_down, names, sigs, reqs) -> bool:
         """Exchange every pending (name, signature); the newly agreed ones are appended to
         ``names``, ``sigs`` and ``reqs``. True when the engine must stop."""
         backend, cache = ps.backend, ps.cache
         mine = [(name, req.signature) for name, req in ps.pending.items()]
-        gathered = backend.allgather_object((mine, ps.join_request is not None, shutdown_reason))
+        gathered = backend.allgather_object((mine, ps.join_request is not None, shutting_down))
         joined = {r for r, g in enumerate(gathered) if g[1]}
         agreement = match([g[0] for g in gathered], joined, ps.ranks)
         for name, sig in agreement.ready:
@@ -586,6 +617,7 @@ class Engine:
                         f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}."
                     )
                     late = sorted({r for ranks in agreement.waiting.values() for r in ranks})
+                    error.agreed = True
                     error.culprit = (f"rank(s) {', '.join(map(str, late))} stalled: they did not "
                                      f"submit {', '.join(sorted(agreement.waiting)[:3])} for "
                                      f"{limit:g} s")
@@ -593,20 +625,13 @@ class Engine:
                 if backend.rank == 0:
                     print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
         if or_all & FLAG_SHUTDOWN:
-            stopping = [(ps.ranks[r], g[2]) for r, g in enumerate(gathered) if g[2] is not None]
-            errors = [(r, why) for r, why in stopping if why]
-            if errors:
-                rank, why = errors[0]
-                error = HorovodInternalError(f"{SHUT_DOWN} Rank {rank} stopped first, with: {why}")
-                if rank != self.rank:
-                    error.culprit = f"rank {rank} failed first: {why}"
-                raise error
-            if shutdown_reason is None:
-                ranks = ", ".join(str(r) for r, _ in stopping)
+            if not shutting_down:
+                ranks = ", ".join(str(ps.ranks[r]) for r, g in enumerate(gathered) if g[2])
                 error = HorovodInternalError(
                     f"{SHUT_DOWN} Rank(s) {ranks} called shutdown while this rank still runs.")
                 error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
                                  "script) while the others still ran collectives")
+                error.agreed = True
                 if self._has_work():
                     raise error
                 self._stopped_by_peers = error
@@ -690,19 +715,21 @@ class Engine:
 
     @staticmethod
     def _on_device_stream(backend, group, fn):
-        """GPU groups run on the device's stream (``gpu.DeviceStream``), in a thread pinned to
-        the device, after the producers' ready events, and leave a done event for the
-        consumers: no host or device-wide synchronization. NCCL's asynchronous errors (a lost
-        peer or link) surface here, before more work is queued behind a collective that will
-        never end."""
+        """GPU groups run on the device's stream (``gpu_stream.DeviceStream``), after the
+        producers' ready events, and leave a done event for the consumers: no host or
+        device-wide synchronization. The thread works on the group's device meanwhile and gets
+        its own current device back after (a caller blocked in ``wait`` runs cycles too).
+        NCCL's asynchronous errors (a lost peer or link) surface here, before more work is
+        queued behind a collective that will never end, and while the engine waits for peers
+        (``NcclBackend.negotiate``)."""
 
         def run() -> None:
-            from .gpu import device_stream, group_device
+            from .gpu_stream import device_stream, group_device, on_device
 
             backend.check_async_error()
-            stream = device_stream(group_device(backend, [r.tensor for r in group
-                                                          if r is not None]))
-            with stream.activate():
+            device = group_device(backend, [r.tensor for r in group if r is not None])
+            stream = device_stream(device)
+            with on_device(device), stream.activate():
                 for req in group:
                     if req is not None and req.ready_event is not None:
                         stream.wait_for(req.ready_event)
@@ -719,6 +746,7 @@ class Engine:
         last = max(range(len(cycles)), key=lambda r: (cycles[r], r))
         req, ps.join_request = ps.join_request, None
         req.result = ps.ranks[last]
+        ps.joins += 1
         self._complete(req)
 
     def _forget_done(self, group: list[Request | None]) -> None:
@@ -758,6 +786,12 @@ class Engine:
         if self._stopped:
             return
         self._stopped = self._closed = True
+        error = self._error
+        if error is not None:  # device work in flight may wait for a peer that is gone
+            for ps in self._sets.values():
+                ps.backend.abort()
+            if not error.agreed and self._alarm.error is None and self.on_local_error:
+                self.on_local_error(error)
         # Every accepted request not yet completed (all are in _inflight until then): queued,
         # pending, a join, or one cut off mid-execution.
         leftovers = self._drain_queue() + list(self._inflight.values())
@@ -772,3 +806,9 @@ class Engine:
         """Release every process set's backend, set 0's included (locally: see ``free``)."""
         for ps in self._sets.values():
             ps.backend.free()
+
+    def abandon_backends(self) -> None:
+        """After a failure: keep every backend (and its communicator) alive for the life of
+        the process instead of freeing it, since a collective this rank gave up on may still
+        complete and MPI then writes through it."""
+        abandoned.extend(ps.backend for ps in self._sets.values())

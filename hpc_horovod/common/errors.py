@@ -13,11 +13,15 @@ class HorovodInternalError(RuntimeError):
     """
 
     culprit: str | None = None
+    #: every rank reached this error in the same cycle (a stall past the limit, a peer's
+    #: shutdown): nobody needs to be told; otherwise it started here or on one peer
+    agreed: bool = False
 
     def copy(self) -> HorovodInternalError:
         """The same error, to raise again (a traceback per raise)."""
         error = HorovodInternalError(str(self))
         error.culprit = self.culprit
+        error.agreed = self.agreed
         return error
 
 

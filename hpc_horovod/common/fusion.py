@@ -184,14 +184,14 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
       reusable fusion buffer, and copied back into every output by one kernel.
 
     Fresh arrays come from the framework's allocator while the engine runs device work
-    (``gpu.use_framework_memory``), so the results handed to it are its own memory."""
+    (``gpu_stream.use_framework_memory``), so the results handed to it are its own memory."""
     import cupy
 
     span = _device_span(reqs, fused.total, dtype)
     if span is not None:
-        _scale_device(span, pre)
+        _scale_device(span, pre, span)
         backend.allreduce(span, op)
-        _scale_device(span, post)
+        _scale_device(span, post, span)
         for req in reqs:
             req.result = req.output
         return
@@ -205,16 +205,16 @@ def _allreduce_device_group(backend, fused: FusedAllreduce, reqs, dtype, op, pre
         buf = cupy.empty(total, dtype=dtype)
     parts = [req.tensor.reshape(-1) if req is not None else cupy.zeros(n, dtype)
              for req, n in zip(reqs, fused.sizes)]
-    if len(parts) == 1 and pre != 1.0:  # copied and scaled in one pass
-        cupy.multiply(parts[0], pre, out=buf, casting="unsafe")
+    if len(parts) == 1 and pre == 1.0:  # the backend reads the input, writes the result
+        backend.allreduce(buf, op, send=parts[0])
     else:
-        if len(parts) == 1:
-            buf[...] = parts[0]
+        if len(parts) == 1:  # copied and scaled in one pass
+            _scale_device(parts[0], pre, buf)
         else:
             cupy.concatenate(parts, out=buf)
-        _scale_device(buf, pre)
-    backend.allreduce(buf, op)
-    _scale_device(buf, post)
+            _scale_device(buf, pre, buf)
+        backend.allreduce(buf, op)
+    _scale_device(buf, post, buf)
     if as_views:
         for req, (a, b), shape in zip(reqs, fused.bounds, fused.shapes):
             req.result = buf[a:b].reshape(shape)
@@ -292,11 +292,29 @@ def _device_span(reqs, total: int, dtype):
     return cupy.ndarray((total,), dtype=dtype, memptr=first.data)
 
 
-def _scale_device(buf, factor: float) -> None:
-    if factor != 1.0:
-        import cupy
+def device_scale_dtype(dtype) -> np.dtype:
+    """The dtype a device buffer of ``dtype`` is scaled in, the factor cast to it first: float32
+    for float16/bfloat16, as on the host and in reducescatter (CuPy would cast a Python float
+    to the buffer's own type: 1/3 becomes 0.33398 in bfloat16, and every average over 3, 5,
+    6, 12 ... ranks would be off the same way), the buffer's own type for float32/float64,
+    float64 for integers (numpy's rule for an integer array times a float)."""
+    dtype = np.dtype(dtype)
+    if dtype in HALF_DTYPES:
+        return np.dtype(np.float32)
+    return dtype if dtype.kind == "f" else np.dtype(np.float64)
 
-        cupy.multiply(buf, factor, out=buf, casting="unsafe")
+
+def _scale_device(src, factor: float, out) -> None:
+    """``out = src * factor``, computed in :func:`device_scale_dtype` (a copy when the factor
+    is 1 and ``out`` is another array)."""
+    import cupy
+
+    if factor == 1.0:
+        if out is not src:
+            out[...] = src
+        return
+    wide = device_scale_dtype(src.dtype)
+    cupy.multiply(src, wide.type(factor), out=out, dtype=wide, casting="unsafe")
 
 
 def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.dtype, op: int,

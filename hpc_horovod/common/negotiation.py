@@ -166,12 +166,20 @@ def match(gathered: list[list[tuple[str, Signature]]], joined: set[int],
             table.setdefault(name, {})[rank] = sig
     ready, errors, waiting = [], [], {}
     for name, by_rank in table.items():
+        ranks = sorted(by_rank)
+        first = by_rank[ranks[0]]
+        if joined and first.kind not in _WITH_JOIN:
+            # Refused at once, without waiting for the other ranks that have not joined: they
+            # may never submit this name (automatic names drift apart once some ranks joined
+            # and others got this very error), and they get the same refusal for theirs.
+            errors.append((name, f"{first.kind.capitalize()} is not supported with Join at "
+                                 f"this time: ranks {sorted(members[r] for r in joined)} have "
+                                 f"joined [tensor '{name}']"))
+            continue
         missing = [r for r in range(size) if r not in by_rank and r not in joined]
         if missing:
             waiting[name] = [members[r] for r in missing]
             continue
-        ranks = sorted(by_rank)
-        first = by_rank[ranks[0]]
         message = None
         for other in ranks[1:]:
             message = mismatch_message(_global_root(first, members),
@@ -180,10 +188,6 @@ def match(gathered: list[list[tuple[str, Signature]]], joined: set[int],
                 message += (f" [tensor '{name}': rank {members[ranks[0]]} vs rank "
                             f"{members[other]}]")
                 break
-        if message is None and joined and first.kind not in _WITH_JOIN:
-            message = (f"{first.kind.capitalize()} is not supported with Join at this time: "
-                       f"ranks {sorted(members[r] for r in joined)} have joined "
-                       f"[tensor '{name}']")
         if message:
             errors.append((name, message))
         else:

@@ -303,8 +303,11 @@ def join(device: int = -1, process_set=global_process_set) -> int:
 
 
 def poll(handle: int) -> bool:
-    """True when the operation behind ``handle`` has completed (successfully or not)."""
-    return basics.engine().poll(handle)
+    """True when the operation behind ``handle`` has completed (successfully or not). A
+    device op is complete once its work on the GPU has finished, not when it is queued
+    there: its done event has passed."""
+    req = basics.engine().request(handle)
+    return req.done and (req.done_event is None or bool(req.done_event.done))
 
 
 def synchronize(handle: int):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import hostlist
 
@@ -46,7 +46,8 @@ class Topology:
     """This process's coordinates. ``cross_*`` is the node index and the node count.
 
     ``local_rank``/``local_size``/``cross_rank``/``cross_size`` may be ``None`` when the launcher
-    does not announce them; the MPI backend then derives them from shared-memory groups.
+    of a job of several processes does not announce them; the MPI backend then derives them
+    from shared-memory groups. A process alone always has them: 0 of 1.
     """
 
     rank: int
@@ -219,7 +220,10 @@ def _torchrun(env: Mapping[str, str]) -> None:
 def detect(env: Mapping[str, str] | None = None, hostname: str | None = None) -> Topology:
     """Return this process's topology from ``env`` (default: ``os.environ``)."""
     env = os.environ if env is None else env
-    host = hostname or socket.gethostname()
+    return _alone_is_complete(_detect(env, hostname or socket.gethostname()))
+
+
+def _detect(env: Mapping[str, str], host: str) -> Topology:
     if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
         return _explicit(env, host)
     if "TORCHELASTIC_RUN_ID" in env:
@@ -233,6 +237,18 @@ def detect(env: Mapping[str, str] | None = None, hostname: str | None = None) ->
     if "SLURM_JOB_ID" in env:
         _slurm_outside_step(env)
     return Topology(0, 1, 0, 1, 0, 1, host, SINGLE)
+
+
+def _alone_is_complete(topo: Topology) -> Topology:
+    """A job of one process is rank 0 of 1 on its node and node 0 of 1, whatever its launcher
+    left out (``HOROVOD_RANK=0 HOROVOD_SIZE=1``, a one-task step): no MPI will fill them in,
+    and ``torch.cuda.set_device(hvd.local_rank())`` needs an int."""
+    if topo.size != 1 or topo.is_complete:
+        return topo
+    return replace(topo, local_rank=0 if topo.local_rank is None else topo.local_rank,
+                   local_size=1 if topo.local_size is None else topo.local_size,
+                   cross_rank=0 if topo.cross_rank is None else topo.cross_rank,
+                   cross_size=1 if topo.cross_size is None else topo.cross_size)
 
 
 def missing_mpi_plugin(env: Mapping[str, str], topo: Topology) -> str | None:

@@ -1,18 +1,23 @@
 """``hpc-horovod sbatch`` (write, or submit, a job script) and ``hpc-horovod doctor``.
 
-The options are sbatch's own, long and short (``-N``, ``-n``, ``--ntasks-per-node``, ``-c``,
-``-t``, ``-A``, ``-p``, ``-q``, ``-J``, ``-C``, ``-o``, ``--gpus-per-node``, ``--requeue``,
-``--signal``), so a line of a job script a user already has works here.
+The options are sbatch's own, long and short, with sbatch's meanings (``-N``, ``-n``,
+``--ntasks-per-node``, ``-G/--gpus`` for the whole job, ``--gpus-per-node``, ``-c``, ``-t``,
+``-A``, ``-p``, ``-q``, ``-J``, ``-C``, ``-o``, ``--open-mode``, ``--requeue``, ``--signal``),
+and the others of :data:`~hpc_horovod.slurm.options.PASSTHROUGH` (``--mem``, ``--exclusive``,
+``--array``, ...) go into the script as given, so a line of a job script a user already has
+works here. sbatch options that contradict one task per GPU are refused, naming the one to use.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
-from . import doctor, validate
+from . import doctor, live, options, validate
 from .profiles import load_profiles
 from .render import render_job
 from .submit import sbatch
@@ -22,20 +27,76 @@ examples:
   hpc-horovod sbatch --cluster jean-zay -N 2 -t 20:00:00 -A abc --requeue \\
       --script train.slurm -- python train.py --epochs 90      # all 4 GPUs of gpu_p13 nodes
   sbatch train.slurm
-  hpc-horovod sbatch -N 2 --ntasks-per-node 40 -p cpu -t 30 --submit -- python train.py
+  hpc-horovod sbatch -N 2 --ntasks-per-node 40 -p cpu -t 30 --mem 64G --submit -- python train.py
 """
+
+#: a Python interpreter named by its bare name, as a job command's first word
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+#: Python options that take a value in the next word (``-W error``, ``-X dev``)
+_PYTHON_VALUE_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def job_command(command: list[str], workdir: Path, modules: bool) -> tuple[list[str], str]:
+    """The command the tasks run, with a bare ``python`` resolved to this interpreter (the one
+    that has hpc_horovod; the tasks would otherwise run whatever ``python`` their PATH has, or
+    fail once the job starts), and what was resolved, to say; refused when its script is not
+    in ``workdir`` (where the job runs) or, without modules to provide it, its program is not
+    on PATH."""
+    if not command:
+        raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
+    program, note = command[0], ""
+    if "/" not in program and _PYTHON.fullmatch(program):
+        command = [sys.executable, *command[1:]]
+        note = (f"the tasks run {program} as {sys.executable} (the interpreter of this "
+                "hpc-horovod); give a path to choose another")
+    elif "/" not in program and shutil.which(program) is None and not modules:
+        raise ValueError(f"{program!r} is not on PATH here, nor will it be in the job, which "
+                         "inherits this environment and loads no module: give its path")
+    elif "/" in program and not (workdir / program).exists():
+        raise ValueError(f"{program}: no such file in {workdir} (where the job runs)")
+    if "/" in command[0] and _PYTHON.fullmatch(Path(command[0]).name):
+        script = _python_script(command[1:])
+        if script is not None and not (workdir / script).is_file():
+            raise ValueError(f"{script}: no such file in {workdir}, where the job runs "
+                             "(submit from the script's directory, or give -D/--chdir)")
+    return command, note
+
+
+def _python_script(args: list[str]) -> str | None:
+    """The script a Python command line runs, or None for ``-m``, ``-c`` and stdin."""
+    words = iter(args)
+    for word in words:
+        if word in ("-m", "-c", "-") or word.startswith(("-m", "-c")):
+            return None
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _sbatch(args) -> int:
+    for flag in options.REFUSED:
+        if getattr(args, "refused_" + flag[2:].replace("-", "_"), None) is not None:
+            raise ValueError(f"{flag}: {options.REFUSED[flag]}")
+    path = None if args.script is None else Path(args.script)
+    if path is not None and path.exists() and not args.force:
+        raise FileExistsError(f"{path} exists: not overwriting it (pass --force to replace it, "
+                              "or choose another --script)")
     command = list(args.job_command)
     if command and command[0] == "--":
         command = command[1:]
+    extra = {name: getattr(args, name) for name in options.PASSTHROUGH}
+    workdir = Path(extra["chdir"] or ".").expanduser().absolute()
+    modules = None if args.modules is None else args.modules.split(",")
+    command, note = job_command(command, workdir, modules is None or any(modules))
     script = render_job(
         command,
         cluster=args.cluster,
         nodes=args.nodes,
         ntasks=args.ntasks,
         ntasks_per_node=args.ntasks_per_node,
+        gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
         cpus_per_task=args.cpus_per_task,
         time=args.time,
@@ -44,15 +105,19 @@ def _sbatch(args) -> int:
         partition=args.partition,
         constraint=args.constraint,
         job_name=args.job_name,
-        modules=None if args.modules is None else args.modules.split(","),
+        modules=modules,
         env=args.env,
         requeue=args.requeue,
         signal_seconds=None if args.signal is None else validate.signal_seconds(args.signal),
         output=args.output,
+        open_mode=args.open_mode,
         template=args.template,
+        sbatch=extra,
+        live=live.query(),
     )
-    if args.script:
-        path = Path(args.script)
+    if note:
+        print(f"hpc-horovod sbatch: {note}", file=sys.stderr)
+    if path is not None:
         path.write_text(script, encoding="utf-8")
         job_id = sbatch(path=path) if args.submit else None
     else:
@@ -84,22 +149,26 @@ def register(sub) -> None:
                    help="tasks in all, spread evenly over the nodes")
     p.add_argument("--ntasks-per-node", "--tasks-per-node", dest="ntasks_per_node", type=int,
                    help="tasks per node (a GPU job runs one per GPU)")
-    p.add_argument("--gpus-per-node", type=int,
-                   help="GPUs (= tasks) per node (default: all GPUs of the node type; none on "
-                        "CPU partitions)")
+    gpus = p.add_mutually_exclusive_group()
+    gpus.add_argument("-G", "--gpus", type=int,
+                      help="GPUs for the whole job, as in sbatch, split evenly over the nodes "
+                           "(one task per GPU)")
+    gpus.add_argument("--gpus-per-node", type=int,
+                      help="GPUs (= tasks) per node (default: all GPUs of the node type; none "
+                           "on CPU partitions)")
     p.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task (default: the "
                    "profile's)")
     p.add_argument("-t", "--time", help=f"time limit: {validate.TIME_FORMATS} (default: the "
                    "profile's)")
     p.add_argument("-A", "--account", help="account to charge (Jean Zay: abc or abc@v100)")
     p.add_argument("-q", "--qos", help="QoS (default: the node type's, or the next longer one)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("-p", "--partition", help="partition (default: the profile's)")
-    where.add_argument("-C", "--constraint", help="node constraint, e.g. a100 or h100 on Jean "
-                       "Zay")
+    p.add_argument("-p", "--partition", help="partition (default: the profile's)")
+    p.add_argument("-C", "--constraint", help="node features, e.g. a100 or h100 on Jean Zay")
     p.add_argument("-J", "--job-name", default="hpc-horovod", help="job name")
     p.add_argument("-o", "--output", default="%x-%j.out",
                    help="the job's output file pattern (default %%x-%%j.out)")
+    p.add_argument("--open-mode", choices=("append", "truncate"),
+                   help="output file mode (default: append with --requeue, else SLURM's)")
     p.add_argument("--requeue", action="store_true",
                    help="requeue-able job, with SIGUSR2 before the limit (requeue_on_signal)")
     p.add_argument("--signal", metavar="USR2@SECONDS",
@@ -112,7 +181,17 @@ def register(sub) -> None:
                    help="a site's job template ({%% extends \"base.sbatch.j2\" %%}; default: the "
                         "profile's)")
     p.add_argument("--script", metavar="FILE", help="write the job script to FILE, not stdout")
+    p.add_argument("--force", action="store_true", help="replace an existing --script FILE")
     p.add_argument("--submit", action="store_true", help="submit with sbatch; print the job id")
+    passed = p.add_argument_group("sbatch options written into the script as given")
+    for name, spec in options.PASSTHROUGH.items():
+        kind = {options.VALUE: {}, options.OPTIONAL: {"nargs": "?", "const": True},
+                options.FLAG: {"action": "store_true", "default": None}}[spec.arity]
+        passed.add_argument(*spec.flags, dest=name, help=spec.help.replace("%", "%%"), **kind)
+    refused = p.add_argument_group("sbatch options refused here (each says what to use)")
+    for flag in options.REFUSED:
+        refused.add_argument(flag, dest="refused_" + flag[2:].replace("-", "_"), metavar="X",
+                             help=options.REFUSED[flag].replace("%", "%%"))
     p.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the command every task runs")
     p.set_defaults(func=_sbatch)

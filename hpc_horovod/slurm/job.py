@@ -11,11 +11,18 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import live as live_cluster
+from . import options as sbatch_options
 from . import validate
 from .profiles import ClusterProfile, NodeClass, get_profile
 
 #: seconds before the time limit at which ``--requeue`` jobs get SIGUSR2 when none is given
 DEFAULT_SIGNAL_SECONDS = 300
+#: how much earlier than asked SLURM may send ``--signal`` (its event handling runs each minute)
+SIGNAL_EARLY_S = 60
+#: the least time a job has between its start and its signal: the tasks start, import their
+#: framework and call hvd.init(), which catches the signal from then on
+SIGNAL_START_S = 60
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,14 @@ class JobPlan:
     srun_mpi: str
     command: tuple[str, ...]
     storage: tuple[tuple[str, str], ...]
-    #: ``srun --label``: each output line starts with its task's rank
-    label: bool = False
+    #: ``srun --label``: each output line starts with its task's rank, so that the tracebacks
+    #: of two ranks stay apart
+    label: bool = True
+    #: ``--open-mode``: append for a requeue-able job (its runs share one output file), else
+    #: SLURM's default
+    open_mode: str | None = None
+    #: sbatch options written as given: ``(("--mem", "64G"), ("--exclusive", None))``
+    extra: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def total_tasks(self) -> int:
@@ -95,6 +108,21 @@ def _layout(node: NodeClass, gpus: int | None, tasks: int | None, profile: Clust
         raise ValueError(f"--ntasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
                          "one task per GPU; give one of the two")
     return gpus, gpus
+
+
+def _gpus_per_node(nodes: int, gpus: int | None, gpus_per_node: int | None) -> int | None:
+    """``--gpus-per-node`` from sbatch's ``-G/--gpus`` (GPUs for the whole job)."""
+    if gpus is None:
+        return gpus_per_node
+    validate.positive(gpus, "--gpus")
+    if gpus_per_node is not None:
+        raise ValueError(f"--gpus {gpus} (for the whole job) and --gpus-per-node "
+                         f"{gpus_per_node}: give one of the two")
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} (GPUs for the whole job, as in sbatch) does not split "
+                         f"evenly over --nodes {nodes}: every node runs one task per GPU (ask "
+                         f"--gpus {max(gpus // nodes, 1) * nodes}, or --gpus-per-node N)")
+    return gpus // nodes
 
 
 def _tasks_per_node(nodes: int, ntasks: int | None, ntasks_per_node: int | None) -> int | None:
@@ -168,6 +196,7 @@ def plan_job(
     nodes: int = 1,
     ntasks: int | None = None,
     ntasks_per_node: int | None = None,
+    gpus: int | None = None,
     gpus_per_node: int | None = None,
     cpus_per_task: int | None = None,
     time: str | None = None,
@@ -181,16 +210,23 @@ def plan_job(
     requeue: bool = False,
     signal_seconds: int | None = None,
     output: str = "%x-%j.out",
+    open_mode: str | None = None,
     template: str | os.PathLike | None = None,
-    label: bool = False,
+    label: bool = True,
     profile_env: Mapping[str, str] | None = None,
+    sbatch: Mapping[str, object] | None = None,
+    live: live_cluster.LiveCluster | None = None,
 ) -> JobPlan:
     """Check a job request against its cluster profile and resolve every default.
 
-    The names are sbatch's (``nodes``, ``ntasks``, ``ntasks_per_node``, ``gpus_per_node``,
-    ``cpus_per_task``, ``time``, ...). ``gpus_per_node`` defaults to every GPU of the node type
-    (none on CPU or unknown nodes: a CPU job of ``ntasks_per_node`` tasks); ``template`` is a
-    site's template file that extends the packaged ones (default: the profile's).
+    The names are sbatch's (``nodes``, ``ntasks``, ``ntasks_per_node``, ``gpus`` (for the
+    whole job), ``gpus_per_node``, ``cpus_per_task``, ``time``, ...). ``gpus_per_node`` defaults
+    to every GPU of the node type (none on CPU or unknown nodes: a CPU job of
+    ``ntasks_per_node`` tasks); ``template`` is a site's template file that extends the
+    packaged ones (default: the profile's); ``sbatch`` holds the options written as given
+    (:data:`hpc_horovod.slurm.options.PASSTHROUGH`: ``{"mem": "64G", "exclusive": True}``).
+    ``live`` is what the cluster itself says (:func:`hpc_horovod.slurm.live.query`), checked
+    on top of the profile.
     """
     profile = cluster if isinstance(cluster, ClusterProfile) else get_profile(cluster,
                                                                               profile_env)
@@ -202,21 +238,41 @@ def plan_job(
         raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
     validate.positive(nodes, "--nodes")
     node, partition, constraint = profile.select(partition, constraint)
-    gpus, tasks = _layout(node, gpus_per_node, _tasks_per_node(nodes, ntasks, ntasks_per_node),
-                          profile)
+    gpus, tasks = _layout(node, _gpus_per_node(nodes, gpus, gpus_per_node),
+                          _tasks_per_node(nodes, ntasks, ntasks_per_node), profile)
     seconds = profile.default_time if time is None else validate.parse_time(time)
     if node.max_time is not None and seconds > node.max_time:
         raise ValueError(f"--time {validate.format_time(seconds)} is over the "
                          f"{validate.format_time(node.max_time)} limit of {_where(node)}")
     chosen_qos = _choose_qos(node, profile, qos, seconds)
+    latest = seconds - SIGNAL_EARLY_S - SIGNAL_START_S  # the longest lead that is safe
     if signal_seconds is not None:
         validate.positive(signal_seconds, "--signal")
-        if signal_seconds >= seconds or signal_seconds > 65535:
-            raise ValueError(f"--signal USR2@{signal_seconds}: the signal must come before the "
-                             f"job's {validate.format_time(seconds)} limit (and at most 65535 s "
-                             "before)")
+        if signal_seconds > latest or signal_seconds > 65535:
+            raise ValueError(
+                f"--signal USR2@{signal_seconds}: the signal must come before the job's "
+                f"{validate.format_time(seconds)} limit, and SLURM may send it up to "
+                f"{SIGNAL_EARLY_S} s early, while the tasks still start ({SIGNAL_START_S} s): "
+                f"ask at most USR2@{max(min(latest, 65535), 0)}"
+                + ("" if latest > 0 else " (none fits: a longer --time)")
+                + " (and at most 65535 s before)")
     elif requeue:
-        signal_seconds = min(DEFAULT_SIGNAL_SECONDS, seconds // 2) or None
+        if latest < 1:
+            raise ValueError(f"--requeue with --time {validate.format_time(seconds)}: SIGUSR2 "
+                             f"may come {SIGNAL_EARLY_S} s early and the tasks need "
+                             f"{SIGNAL_START_S} s to start; a requeue-able job needs more than "
+                             f"{validate.format_time(SIGNAL_EARLY_S + SIGNAL_START_S)}")
+        signal_seconds = min(DEFAULT_SIGNAL_SECONDS, latest)
+    cpus = validate.positive(node.cpus_per_task if cpus_per_task is None else cpus_per_task,
+                             "--cpus-per-task")
+    if node.cpus_per_node is not None and tasks * cpus > node.cpus_per_node:
+        raise ValueError(f"{tasks} task(s) per node x --cpus-per-task {cpus} = {tasks * cpus} "
+                         f"CPUs per node, but {_where(node)} of cluster {profile.name} has "
+                         f"{node.cpus_per_node}: fewer tasks or CPUs per node, and more --nodes")
+    if live is not None:
+        live_cluster.check(live, partition, constraint, gpus, tasks, cpus, seconds)
+    if open_mode not in (None, "append", "truncate"):
+        raise ValueError(f"--open-mode {open_mode!r}: append or truncate")
     job_modules = profile.default_modules if modules is None else validate.modules(modules)
     return JobPlan(
         cluster=profile.name,
@@ -226,8 +282,7 @@ def plan_job(
         nodes=nodes,
         ntasks_per_node=tasks,
         gpus_per_node=gpus,
-        cpus_per_task=validate.positive(node.cpus_per_task if cpus_per_task is None
-                                        else cpus_per_task, "--cpus-per-task"),
+        cpus_per_task=cpus,
         time=validate.format_time(seconds),
         partition=partition,
         constraint=constraint,
@@ -243,4 +298,6 @@ def plan_job(
         command=command,
         storage=tuple(profile.storage.items()),
         label=bool(label),
+        open_mode=open_mode or ("append" if requeue else None),
+        extra=sbatch_options.passthrough(sbatch or {}),
     )

@@ -16,6 +16,7 @@ built-in cluster is merged onto it, and ``based_on = "NAME"`` starts a new clust
     [mycluster.partitions.gpu]
     gpus_per_node = 4
     cpus_per_task = 8
+    cpus_per_node = 32
     max_time = "48:00:00"
 """
 
@@ -52,6 +53,8 @@ class NodeClass:
     account_suffix: str | None = None
     modules: tuple[str, ...] = ()
     description: str = ""
+    #: CPUs of one node, when the profile knows them (tasks x CPUs per task is checked)
+    cpus_per_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class ClusterProfile:
     qos: dict[str, Qos] = field(default_factory=dict)
     storage: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    #: CPUs of a node of a partition the profile does not list (None: unknown)
+    cpus_per_node: int | None = None
 
     def select(self, partition: str | None, constraint: str | None
                ) -> tuple[NodeClass, str | None, str | None]:
@@ -103,7 +108,8 @@ class ClusterProfile:
             kind = PARTITION if self.default in self.partitions else CONSTRAINT
             node = self._lookup(kind, self.default)
         else:
-            node = NodeClass(None, PARTITION, None, self.cpus_per_task)
+            node = NodeClass(None, PARTITION, None, self.cpus_per_task,
+                             cpus_per_node=self.cpus_per_node)
         if node.kind == CONSTRAINT:
             return node, None, node.name
         return node, node.name, constraint
@@ -113,7 +119,8 @@ class ClusterProfile:
         if name in table:
             return table[name]
         if not table:
-            return NodeClass(name, kind, None, self.cpus_per_task)
+            return NodeClass(name, kind, None, self.cpus_per_task,
+                             cpus_per_node=self.cpus_per_node)
         other = self.constraints if kind == PARTITION else self.partitions
         hint = (f" ({name!r} is a {CONSTRAINT if kind == PARTITION else PARTITION} here: use "
                 f"--{CONSTRAINT if kind == PARTITION else PARTITION} {name})"
@@ -131,8 +138,8 @@ def _seconds(value, where: str) -> int:
 
 
 def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: str) -> NodeClass:
-    unknown = set(data) - {"gpus_per_node", "cpus_per_task", "max_time", "qos", "default_qos",
-                           "account_suffix", "modules", "description"}
+    unknown = set(data) - {"gpus_per_node", "cpus_per_task", "cpus_per_node", "max_time", "qos",
+                           "default_qos", "account_suffix", "modules", "description"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     gpus = data.get("gpus_per_node")
@@ -151,11 +158,14 @@ def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: s
         account_suffix=data.get("account_suffix"),
         modules=validate.modules(data.get("modules", ())),
         description=data.get("description", ""),
+        cpus_per_node=(int(data["cpus_per_node"]) if "cpus_per_node" in data
+                       else defaults.get("cpus_per_node")),
     )
 
 
 _TOP_KEYS = {"description", "template", "srun_mpi", "hint_nomultithread", "default_time",
-             "default_modules", "module_depends_on", "default", "cpus_per_task", "partitions",
+             "default_modules", "module_depends_on", "default", "cpus_per_task", "cpus_per_node",
+             "partitions",
              "constraints", "qos", "storage", "based_on"}
 
 
@@ -195,6 +205,7 @@ def profile_from_dict(name: str, data: Mapping, source: str = "") -> ClusterProf
         qos=qos,
         storage=dict(data.get("storage", {})),
         source=source,
+        cpus_per_node=int(data["cpus_per_node"]) if "cpus_per_node" in data else None,
     )
 
 

@@ -17,6 +17,8 @@ script, ``output.log`` (every task's output, each line led by its rank) and ``ra
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -26,7 +28,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..runner import collect, rank_file, worker_command, write_payload
-from . import validate
+from . import live, validate
+from . import options as sbatch_flags
 from .job import plan_job
 from .render import render_plan
 from .submit import sbatch
@@ -48,10 +51,12 @@ def _client(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 class Job:
     """A submitted job: its ``state()``, ``result()`` and ``cancel()``."""
 
-    def __init__(self, job_id: str, folder: Path, size: int):
+    def __init__(self, job_id: str, folder: Path, size: int, output: Path | None = None):
         self.job_id = job_id
         self.folder = folder
         self.size = size
+        #: the job's output file, every task's lines led by its rank
+        self.output_file = folder / OUTPUT if output is None else output
 
     def __repr__(self) -> str:
         return f"Job({self.job_id!r}, {self.size} task(s), folder={str(self.folder)!r})"
@@ -72,7 +77,7 @@ class Job:
     def output(self, lines: int = 5, rank: int | None = 0) -> list[str]:
         """The last ``lines`` lines of ``rank``'s output (``None``: every rank's, labelled)."""
         try:
-            text = (self.folder / OUTPUT).read_text(encoding="utf-8", errors="replace")
+            text = self.output_file.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return []
         found = text.splitlines()
@@ -126,10 +131,10 @@ class Job:
             failure = None
         elif state == "UNKNOWN":  # SLURM forgot it (MinJobAge): the results say how it went
             failure = (f"job {self.job_id} is no longer in SLURM's records; the end of "
-                       f"{self.folder / OUTPUT}:\n{tail}") if self._missing() else None
+                       f"{self.output_file}:\n{tail}") if self._missing() else None
         else:
             failure = (f"job {self.job_id} ended {state} (exit code "
-                       f"{record.get('ExitCode', '?')}); the end of {self.folder / OUTPUT}:\n"
+                       f"{record.get('ExitCode', '?')}); the end of {self.output_file}:\n"
                        f"{tail}")
         return collect(self.folder, self.size, failure)
 
@@ -178,55 +183,75 @@ def _in_notebook() -> bool:
 
 
 def submit(fn: Callable, args: Sequence = (), kwargs: Mapping[str, Any] | None = None, *,
-           cluster: str = "generic", nodes: int = 1, ntasks_per_node: int | None = None,
-           gpus_per_node: int | None = None, time: str | None = None,
+           cluster: str = "generic", nodes: int = 1, ntasks: int | None = None,
+           ntasks_per_node: int | None = None, gpus: int | None = None,
+           gpus_per_node: int | None = None, cpus_per_task: int | None = None,
+           time: str | None = None, account: str | None = None, qos: str | None = None,
            partition: str | None = None, constraint: str | None = None,
-           account: str | None = None, qos: str | None = None,
-           cpus_per_task: int | None = None, job_name: str = "hpc-horovod",
+           job_name: str = "hpc-horovod", output: str | None = None,
+           open_mode: str | None = None, requeue: bool = False, signal: str | None = None,
            modules: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
            template: str | os.PathLike | None = None, workdir: str | os.PathLike = ".",
-           executable: str | None = None,
-           profile_env: Mapping[str, str] | None = None) -> Job:
+           executable: str | None = None, profile_env: Mapping[str, str] | None = None,
+           **sbatch_options) -> Job:
     """Submit ``fn(*args, **kwargs)`` as a SLURM job, one call per task; a :class:`Job`.
 
-    The options are those of ``hpc-horovod sbatch`` (sbatch's names: ``nodes``,
-    ``ntasks_per_node``, ``gpus_per_node`` (default: every GPU of the node type), ``time``,
-    ``partition``, ``account``, ...), checked against the cluster profile before anything is
-    written. The tasks run ``executable`` (default: this interpreter, which the compute nodes
-    must see at the same path, as with a shared software environment) and import what the
-    function needs from this interpreter's ``sys.path``. The job folder goes under
+    The options are those of ``hpc-horovod sbatch``, by their Python names (``nodes``,
+    ``ntasks``, ``ntasks_per_node``, ``gpus`` (for the whole job), ``gpus_per_node`` (default:
+    every GPU of the node type), ``time``, ``partition``, ``account``, ``requeue``, ``signal``
+    (``"USR2@300"``), ...), and sbatch's other options as keywords written into the script as
+    given (``mem="64G"``, ``exclusive=True``, ``dependency="afterok:12"``: the names of
+    :data:`hpc_horovod.slurm.options.PASSTHROUGH`); everything is checked against the cluster
+    profile, and against the cluster itself where ``sinfo`` answers, before anything is
+    written, and errors name these arguments. ``output`` is the
+    output file (``%j`` and ``%x`` allowed; default: ``output.log`` in the job's folder). The
+    tasks run ``executable`` (default: this interpreter, which the compute nodes must see at
+    the same path, as with a shared software environment) and import what the function needs
+    from this interpreter's ``sys.path``. The job folder goes under
     ``workdir``/``.hpc_horovod/jobs`` (default: the current directory's).
     """
-    base = Path(workdir).expanduser().absolute() / ".hpc_horovod" / "jobs"
-    base.mkdir(parents=True, exist_ok=True)
-    name = validate.token(job_name, "--job-name")
-    folder = Path(_unique_folder(base, name))
+    if "array" in sbatch_options:
+        raise ValueError("array: every task of a job array would run the same call and write "
+                         "the same results; submit one job per configuration")
+    if output is not None and _OTHER_PATTERNS.search(validate.output_pattern(output)):
+        raise ValueError(f"output {output!r}: result() reads one file, so only %j, %x, %u and "
+                         "%% may be used")
+    workdir = Path(workdir).expanduser().absolute()
+    try:
+        name = validate.token(job_name, "--job-name")
+        folder = workdir / ".hpc_horovod" / "jobs" / (
+            f"{name}-{clock.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+        out = str(folder / OUTPUT) if output is None else str(workdir / output)
+        plan = plan_job(
+            worker_command(folder, executable), cluster=cluster, nodes=nodes, ntasks=ntasks,
+            ntasks_per_node=ntasks_per_node, gpus=gpus, gpus_per_node=gpus_per_node,
+            time=time, partition=partition, constraint=constraint, account=account, qos=qos,
+            cpus_per_task=cpus_per_task, job_name=name, modules=modules, env=env or {},
+            requeue=requeue,
+            signal_seconds=None if signal is None else validate.signal_seconds(signal),
+            output=out, open_mode=open_mode, template=template, profile_env=profile_env,
+            sbatch=sbatch_options, live=live.query())
+    except ValueError as exc:
+        raise ValueError(sbatch_flags.python_spelling(str(exc))) from None
+    folder.mkdir(parents=True)
     try:
         write_payload(folder, fn, args, kwargs)
-        plan = plan_job(
-            worker_command(folder, executable), cluster=cluster, nodes=nodes,
-            ntasks_per_node=ntasks_per_node, gpus_per_node=gpus_per_node, time=time,
-            partition=partition, constraint=constraint, account=account, qos=qos,
-            cpus_per_task=cpus_per_task, job_name=name, modules=modules, env=env or {},
-            template=template, output=str(folder / OUTPUT), label=True,
-            profile_env=profile_env)
         path = folder / "job.sh"
         path.write_text(render_plan(plan), encoding="utf-8")
         job_id = sbatch(path=path)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return Job(job_id, folder, plan.total_tasks)
+    return Job(job_id, folder, plan.total_tasks, output=_output_path(out, job_id, name))
 
 
-def _unique_folder(base: Path, name: str) -> str:
-    stamp = clock.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        folder = base / (f"{name}-{stamp}" + (f"-{n}" if n else ""))
-        try:
-            folder.mkdir()
-        except FileExistsError:
-            continue
-        return str(folder)
-    raise RuntimeError(f"no free job folder under {base}")
+#: SLURM filename patterns other than %j (job id), %x (job name), %u (user) and %%
+_OTHER_PATTERNS = re.compile(r"%(?![jxu%])")
 
+
+def _output_path(pattern: str, job_id: str, name: str) -> Path:
+    """The file SLURM writes for an output ``pattern`` with only ``%j``, ``%x``, ``%u``."""
+    import getpass
+
+    fields = {"j": job_id, "x": name, "u": getpass.getuser(), "%": "%"}
+    return Path(re.sub(r"%([jxu%])", lambda m: fields[m.group(1)], pattern))

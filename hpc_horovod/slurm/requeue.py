@@ -15,6 +15,13 @@ resumes from the checkpoint::
         train_step()
 
 SIGUSR2 rather than SIGUSR1: NCCL has been known to take SIGUSR1 for itself.
+
+SLURM may send the signal up to a minute before the time asked for, and a requeued job may
+have little time left: the signal can come while the job starts, before ``requeue_on_signal``
+runs, and SIGUSR2's default action would kill the task. A job script that asks for the signal
+(``hpc-horovod sbatch`` writes ``export HPC_HOROVOD_REQUEUE_SIGNAL=USR2``) makes ``hvd.init()``
+catch it from then on (:func:`catch_early_signal`); ``requeue_on_signal`` takes over what was
+caught.
 """
 
 from __future__ import annotations
@@ -22,10 +29,39 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 
 import numpy as np
+
+#: set by a job script that asks SLURM for SIGUSR2 before the time limit
+SIGNAL_ENV = "HPC_HOROVOD_REQUEUE_SIGNAL"
+
+
+class _Early:
+    """SIGUSR2 caught by :func:`catch_early_signal` before a :class:`RequeueOnSignal` exists."""
+
+    signalled = False
+
+    @classmethod
+    def handle(cls, signum, frame) -> None:
+        cls.signalled = True
+
+
+def catch_early_signal(env: Mapping[str, str] | None = None) -> bool:
+    """In a job whose script sets ``HPC_HOROVOD_REQUEUE_SIGNAL``, catch SIGUSR2 from now on
+    (a flag that :func:`requeue_on_signal` takes over) instead of dying of it; True when
+    installed. Nothing changes where the signal already has a handler, or off the main thread
+    (where Python cannot install one)."""
+    env = os.environ if env is None else env
+    if env.get(SIGNAL_ENV, "").upper().removeprefix("SIG") not in ("USR2", "12"):
+        return False
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, _Early.handle):
+        return False
+    signal.signal(signal.SIGUSR2, _Early.handle)
+    return True
 
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:
@@ -72,10 +108,13 @@ class RequeueOnSignal:
         self.save_checkpoint = save_checkpoint
         self.signum = signum
         self.requeue = requeue
-        self.signalled = False
         self.stopped = False
         self.requeued: str | None = None
         self._previous = signal.signal(signum, self._handle)
+        #: a signal that came before, while catch_early_signal's handler held it
+        self.signalled = self._previous == _Early.handle and _Early.signalled
+        if self._previous == _Early.handle:
+            self._previous = signal.SIG_DFL
 
     def _handle(self, signum, frame) -> None:
         # Only a flag: the step in progress finishes; the ranks agree on where to stop.

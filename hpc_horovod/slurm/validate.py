@@ -9,6 +9,7 @@ template. Every function raises ``ValueError`` naming the option and the fix.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -21,7 +22,9 @@ _TIME = re.compile(
     r"|(?P<hours>[0-9]+):(?P<hour_minutes>[0-5]?[0-9]):(?P<hour_seconds>[0-5]?[0-9])"
     r"|(?P<minutes>[0-9]+)(?::(?P<minute_seconds>[0-5]?[0-9]))?")
 #: the formats, for error messages
-TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+#: SLURM's words for no time limit
+UNLIMITED = ("UNLIMITED", "INFINITE")
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _ACCOUNT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?")
 #: an environment module's name: NAME or NAME/VERSION (also what a modulefile may depend on)
@@ -33,9 +36,12 @@ _OUTPUT = re.compile(r"[A-Za-z0-9._%/+@=,:-]+")
 TOKEN_ALPHABET = "letters, digits and . _ + - (not starting with a symbol)"
 
 
-def parse_time(text: str) -> int:
+def parse_time(text: str) -> float:
     """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``;
-    minutes and hours of the leading field unbounded) -> seconds."""
+    minutes and hours of the leading field unbounded) -> seconds; ``UNLIMITED`` (or SLURM's
+    other spelling, ``INFINITE``) -> ``math.inf``, which every finite limit refuses."""
+    if str(text).strip().upper() in UNLIMITED:
+        return math.inf
     match = _TIME.fullmatch(str(text).strip())
     if match is None:
         raise ValueError(f"--time {text!r} is not a SLURM time: write {TIME_FORMATS} (e.g. 30 "
@@ -53,8 +59,11 @@ def parse_time(text: str) -> int:
     return total
 
 
-def format_time(seconds: int) -> str:
-    """Seconds -> ``HH:MM:SS`` (hours unbounded), the form SLURM and site docs use."""
+def format_time(seconds: float) -> str:
+    """Seconds -> ``HH:MM:SS`` (hours unbounded), the form SLURM and site docs use; no limit
+    -> ``UNLIMITED``."""
+    if seconds == math.inf:
+        return "UNLIMITED"
     hours, rest = divmod(int(seconds), 3600)
     return f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
 

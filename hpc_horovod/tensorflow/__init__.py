@@ -59,7 +59,7 @@ from ..common.basics import (
     stop_timeline,
 )
 from ..common.errors import HorovodInternalError
-from ..common.gpu import GpuLayoutError
+from ..common.gpu_layout import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_variables, weighted_average

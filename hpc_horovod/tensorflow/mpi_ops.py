@@ -561,8 +561,9 @@ def _reducescatter(tensors: list, op, name, process_set, prescale_factor, postsc
         def grad(*dys):
             _differentiable(op, "reducescatter")
             dys = [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
-            if op == Sum:
-                dys = [dy * tf.cast(n, dy.dtype) for dy in dys]
+            factor = prescale_factor * postscale_factor * (n if op == Sum else 1)
+            if factor != 1.0:
+                dys = [dy * tf.cast(factor, dy.dtype) for dy in dys]
             return grouped_allgather(dys, process_set=process_set)
         return ys, grad
     return list(forward(*tensors))

@@ -36,7 +36,7 @@ from ..common.basics import (
     stop_timeline,
 )
 from ..common.errors import HorovodInternalError, HostsUpdatedInterrupt
-from ..common.gpu import GpuLayoutError
+from ..common.gpu_layout import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
 from .compression import Compression
 from .functions import (

@@ -5,7 +5,7 @@ in-place results straight into the tensor. bfloat16 has no numpy dtype of its ow
 viewed as int16 in torch and as ``ml_dtypes.bfloat16`` in numpy.
 
 CUDA tensors go to the engine as cupy views (DLPack, zero copy) when it moves GPU memory itself
-(:func:`device_views`): under NCCL, and in one process when CuPy is installed; bfloat16 only
+(:func:`device_views`): under NCCL, and in one process when CuPy runs kernels; bfloat16 only
 where CuPy handles it (CuPy 14 with ``ml_dtypes``). Otherwise they are staged through host
 memory (:func:`to_host`), which needs nothing beyond torch. On the device, three things keep the
 engine's stream and torch's streams apart: the event recorded on the tensor's device's current
@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..common import basics, gpu
+from ..common import basics, gpu_layout, gpu_probe, gpu_stream
 from ..common.types import bfloat16
 
 #: torch dtypes the engine reduces, gathers and broadcasts
@@ -47,17 +47,19 @@ def check_tensor(tensor, op_name: str) -> None:
                          "sparse_allreduce_async (or tensor.to_dense())")
 
 
-def device_views(transport: str, dtype: torch.dtype) -> bool:
-    """Whether CUDA tensors of ``dtype`` go to the engine as cupy views (else through host
-    memory): the engine moves device memory itself under NCCL, and in one process when CuPy
-    loads; bfloat16 needs a CuPy that handles it (``gpu.bfloat16_on_device``)."""
+def device_views(transport: str, dtype: torch.dtype, device: int) -> bool:
+    """Whether CUDA tensors of ``dtype`` on GPU ``device`` go to the engine as cupy views (else
+    through host memory): the engine moves device memory itself under NCCL, and in one process
+    when CuPy compiles and runs kernels there (``gpu_probe.kernels_work``, which says what to
+    install when not); bfloat16 needs a CuPy that handles it (``gpu_probe.bfloat16_on_device``).
+    """
     if transport == "nccl":
         usable = True
     elif transport == "single":
-        usable = gpu.cupy_or_none() is not None
+        usable = gpu_probe.kernels_work(device)
     else:
         return False
-    return usable and (dtype != torch.bfloat16 or gpu.bfloat16_on_device())
+    return usable and (dtype != torch.bfloat16 or gpu_probe.bfloat16_on_device())
 
 
 #: (engine, device) of one process: its GPU is the one of its first CUDA tensor
@@ -83,7 +85,7 @@ def ready_event(arrays) -> torch.cuda.Event:
     """An event recorded on torch's current stream of the arrays' device, where the kernels
     that produced them were queued (not the current device's stream: a script may use
     ``cuda:k`` tensors without ``set_device``). The engine's stream waits for it."""
-    device = gpu.array_device(arrays[0])
+    device = gpu_stream.array_device(arrays[0])
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
@@ -94,7 +96,7 @@ def from_device(array) -> torch.Tensor:
     waits for events on the current device's streams, on both sides: done with the array's
     device current (torch's guard, which restores the previous device without creating its
     context), it touches no other GPU."""
-    with torch.cuda.device(gpu.array_device(array)):
+    with torch.cuda.device(gpu_stream.array_device(array)):
         return torch.from_dlpack(array)
 
 
@@ -102,11 +104,11 @@ def take_device_result(req) -> None:
     """Before torch reads a device result: its device's current stream waits for the engine's
     done event, and the result's memory (torch's, see :func:`torch_memory`) is marked as used
     by that stream, so that torch reuses it only once the stream is past its last use."""
-    device = gpu.array_device(req.tensor)
+    device = gpu_stream.array_device(req.tensor)
     stream = torch.cuda.current_stream(device)
     with torch.cuda.device(device):
-        gpu.cupy_or_none().cuda.runtime.streamWaitEvent(stream.cuda_stream,
-                                                        gpu.event_pointer(req.done_event), 0)
+        gpu_probe.cupy_or_none().cuda.runtime.streamWaitEvent(stream.cuda_stream,
+                                                        gpu_stream.event_pointer(req.done_event), 0)
     results = req.result if isinstance(req.result, tuple) else (req.result,)
     for result in results:
         owner = getattr(getattr(getattr(result, "data", None), "mem", None), "_owner", None)
@@ -116,10 +118,10 @@ def take_device_result(req) -> None:
 
 def torch_memory(device: int, stream_ptr: int):
     """A CuPy allocator over torch's caching allocator, for the engine's device work on the
-    stream ``stream_ptr`` (registered with ``gpu.use_framework_memory``): blocks belong to that
-    stream, so temporaries are reused in its order, and results handed to torch are torch's
-    memory (see :func:`take_device_result`)."""
-    cupy = gpu.cupy_or_none()
+    stream ``stream_ptr`` (registered with ``gpu_stream.use_framework_memory``): blocks belong
+    to that stream, so temporaries are reused in its order, and results handed to torch are
+    torch's memory (see :func:`take_device_result`)."""
+    cupy = gpu_probe.cupy_or_none()
     where = torch.device("cuda", device)
     stream = torch.cuda.ExternalStream(stream_ptr, device=where)
 
@@ -132,7 +134,7 @@ def torch_memory(device: int, stream_ptr: int):
     return allocate
 
 
-gpu.use_framework_memory(torch_memory)
+gpu_stream.use_framework_memory(torch_memory)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,13 +160,14 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
             raise ValueError(f"Tensor is required to be contiguous for the in-place {op_name}: "
                              f"call it on tensor.contiguous() and copy back, or use the "
                              f"out-of-place {op_name.rstrip('_')}")
-        if tensor.is_cuda and device_views(basics.device_transport(), tensor.dtype):
+        if tensor.is_cuda and device_views(basics.device_transport(), tensor.dtype,
+                                              tensor.get_device()):
             index = tensor.get_device()
             device = rank_device(index)
             if device is not None:
-                gpu.check_tensor_device(index, device, op_name)
+                gpu_layout.check_tensor_device(index, device, op_name)
             with torch.cuda.device(index):  # see from_device
-                return gpu.cupy_or_none().from_dlpack(tensor.detach().contiguous())
+                return gpu_probe.cupy_or_none().from_dlpack(tensor.detach().contiguous())
         host = to_host(tensor)
         if not host.is_contiguous():
             host = host.contiguous()

@@ -482,8 +482,11 @@ def _check_reducescatter_op(op) -> None:
 
 def _reducescatter_grad(grad: torch.Tensor, op, prescale: float, postscale: float,
                         process_set: ProcessSet) -> torch.Tensor:
+    """Horovod's convention, the same as allreduce's gradient: the gathered gradient, times the
+    set's size for Sum (each rank's loss counts the sum over every rank) and as it is for
+    Average, then the scale factors."""
     gathered = allgather(grad, process_set=process_set)
-    factor = prescale * postscale / (process_set.size() if op == Average else 1)
+    factor = prescale * postscale * (process_set.size() if op == Sum else 1)
     return gathered * factor if factor != 1.0 else gathered
 
 

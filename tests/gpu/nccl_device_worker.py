@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from hpc_horovod.backends.nccl import NcclBackend
 from hpc_horovod.common.errors import HorovodInternalError
-from hpc_horovod.common.gpu import bfloat16_on_device, cuda_aware_mpi
+from hpc_horovod.common.gpu_probe import bfloat16_on_device
 from hpc_horovod.common.types import Max, Min, Product, Sum, bfloat16
 
 comm = MPI.COMM_WORLD
@@ -79,6 +79,18 @@ def check_allreduce(backend: NcclBackend) -> None:
                 np.testing.assert_array_equal(got, expected, err_msg=f"{dtype} {op} {n}")
 
 
+def check_out_of_place(backend: NcclBackend) -> None:
+    """``allreduce(buf, op, send=...)``: NCCL reads ``send`` and writes ``buf``; ``send`` is
+    left as it was."""
+    for dtype in (np.float32, np.int16):
+        send = to_device(backend, inputs(rank, 257, dtype))
+        buf = cupy.zeros(257, dtype=dtype)
+        backend.allreduce(buf, Sum, send=send)
+        expected = np.sum([inputs(r, 257, dtype) for r in range(size)], axis=0, dtype=dtype)
+        np.testing.assert_allclose(to_host(backend, buf), expected, rtol=1e-6)
+        np.testing.assert_array_equal(to_host(backend, send), inputs(rank, 257, dtype))
+
+
 def check_data_movement(backend: NcclBackend) -> None:
     for dtype in (np.float32, np.float16, np.int16, np.bool_):
         for counts in ([5] * size, [r + 1 for r in range(size)], [0] + [3] * (size - 1)):
@@ -140,6 +152,7 @@ def check_stream_ordering(backend: NcclBackend) -> None:
 
 def check_backend(backend: NcclBackend) -> None:
     check_allreduce(backend)
+    check_out_of_place(backend)
     check_data_movement(backend)
     check_reduce_scatter(backend)
     check_stream_ordering(backend)
@@ -147,10 +160,7 @@ def check_backend(backend: NcclBackend) -> None:
 
 flat = NcclBackend(comm.Dup(), device)
 check_backend(flat)
-# host buffers and negotiation stay on MPI
-host = np.full(3, rank, dtype=np.float64)
-flat.allreduce(host, Sum)
-assert np.all(host == sum(range(size)))
+# its small host collectives stay on MPI (host buffers go to the host backend: RoutedBackend)
 assert flat.allgather_ints(np.array([rank])).reshape(-1).tolist() == list(range(size))
 flat.barrier()
 # the fusion buffer is kept per dtype
@@ -174,13 +184,14 @@ else:
     raise AssertionError("a broadcast from a rank outside the communicator did not fail")
 flat.free()
 
-# Hierarchical allreduce: all ranks on one node, then every rank a node of its own (the
-# inter-node step carries everything), staged through host memory and, when MPI can, direct.
-layouts = [(0, False), (rank, False)] + ([(rank, True)] if cuda_aware_mpi() else [])
-for node_id, aware in layouts:
-    backend = NcclBackend(comm.Dup(), device, node_id=node_id, cuda_aware_mpi=aware)
+# Hierarchical allreduce: all ranks on one node (no cross-node stage: the flat allreduce),
+# then every rank a node of its own (the inter-node step, through host memory, carries all).
+for node_id in (0, rank):
+    backend = NcclBackend(comm.Dup(), device, node_id=node_id)
     check_allreduce(backend)
     check_stream_ordering(backend)
+    if node_id == 0:
+        assert backend.node_id is None and backend._hierarchy is None, "one node: flat"
     backend.free()
 
 print(f"rank {rank}: nccl ok", flush=True)

@@ -1,24 +1,18 @@
-"""Which transport device buffers use (NCCL, CUDA-aware MPI, host staging), and the detection of
-CUDA-aware MPI against this machine's real Open MPI (built without CUDA)."""
+"""Which transport device buffers use: NCCL, or host memory over MPI, and the warning that says
+why and what to install."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from support import ROOT, mpi_env
 
 from hpc_horovod.common.basics import cuda_built, nccl_built
-from hpc_horovod.common.gpu import (
-    MPI_CUDA_AWARE,
+from hpc_horovod.common.gpu_probe import (
     MPI_STAGED,
     NCCL,
     choose_device_backend,
-    cuda_aware_mpi,
     fallback_warning,
+    kernel_failure,
     nccl_version_tuple,
-    parse_ompi_info,
     select_device_backend,
 )
 
@@ -31,19 +25,16 @@ def test_nccl_version_codes(code, expected):
     assert nccl_version_tuple(code) == expected
 
 
-@pytest.mark.parametrize("cupy, version, aware, expected", [
-    (True, 22703, False, NCCL),
-    (True, 22703, True, NCCL),
-    (True, 2708, False, NCCL),
-    (True, 2604, True, MPI_CUDA_AWARE),  # no ncclSend/ncclRecv before 2.7
-    (True, 2604, False, MPI_STAGED),
-    (True, 0, True, MPI_CUDA_AWARE),
-    (False, 22703, False, MPI_STAGED),  # NCCL without CuPy cannot be driven
-    (False, 0, True, MPI_CUDA_AWARE),
-    (False, 0, False, MPI_STAGED),
+@pytest.mark.parametrize("cupy, version, expected", [
+    (True, 22703, NCCL),
+    (True, 2708, NCCL),
+    (True, 2604, MPI_STAGED),  # no ncclSend/ncclRecv before 2.7
+    (True, 0, MPI_STAGED),
+    (False, 22703, MPI_STAGED),  # NCCL without CuPy cannot be driven
+    (False, 0, MPI_STAGED),
 ])
-def test_select_device_backend(cupy, version, aware, expected):
-    assert select_device_backend(cupy, version, aware) == expected
+def test_select_device_backend(cupy, version, expected):
+    assert select_device_backend(cupy, version) == expected
 
 
 def test_fallback_warning_says_why_and_how():
@@ -51,39 +42,28 @@ def test_fallback_warning_says_why_and_how():
     text = fallback_warning(MPI_STAGED, False, 0)
     assert "CuPy is not installed" in text and "cupy-cuda1" in text
     assert "host memory" in text
-    text = fallback_warning(MPI_CUDA_AWARE, True, 0)
-    assert "nvidia-nccl-cu1" in text and "CUDA-aware MPI" in text
+    text = fallback_warning(MPI_STAGED, True, 0)
+    assert "nvidia-nccl-cu1" in text and "host memory" in text and "CUDA-aware" not in text
     text = fallback_warning(MPI_STAGED, True, 2604)
     assert "NCCL 2.6.4 is older than 2.7.0" in text
 
 
-def test_parse_ompi_info():
-    line = "mca:mpi:base:param:mpi_built_with_cuda_support:value:{}"
-    assert parse_ompi_info("x:y\n" + line.format("true") + "\n") is True
-    assert parse_ompi_info(line.format("false")) is False
-    assert parse_ompi_info("mca:btl:tcp:param:btl_tcp_if_include:value:") is None
-
-
-def test_cuda_aware_mpi_is_false_for_this_open_mpi():
-    out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True,
-                         check=True).stdout
-    assert parse_ompi_info(out) is False  # Debian's Open MPI is built without CUDA
-    assert cuda_aware_mpi() is False
-
-
-def test_cuda_aware_mpi_asks_the_initialized_library():
-    # MPIX_Query_cuda_support of the libmpi mpi4py loaded, in a fresh MPI process.
-    code = ("from mpi4py import MPI\n"
-            "from hpc_horovod.common import gpu\n"
-            "print(gpu._mpix_query_cuda_support(), gpu.cuda_aware_mpi())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=mpi_env(), cwd=ROOT, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "False"]
+def test_a_kernel_that_does_not_compile_says_what_to_install():
+    """The message of the one-process kernel probe (``gpu_probe.kernels_work``) for the two
+    usual failures, a missing NVRTC and a missing CUDA header; the probe itself runs on a GPU
+    (tests/gpu/torch_device_worker.py)."""
+    assert kernel_failure(None, 13000) is None
+    missing = RuntimeError("CuPy failed to load libnvrtc.so.13: cannot open shared object")
+    text = kernel_failure(missing, 13000)
+    assert "libnvrtc.so.13" in text and "cupy-cuda13x[ctk]" in text
+    assert "nvidia-cuda-nvrtc-cu13" in text and "host memory" in text
+    header = OSError("catastrophic error: cannot open source file \"cuda_fp16.h\"\n...")
+    text = kernel_failure(header, 12080)
+    assert "cuda_fp16.h" in text and "cupy-cuda12x[ctk]" in text and "\n" not in text
 
 
 def test_choose_device_backend_on_this_installation():
     choice, warning = choose_device_backend()
-    expected = select_device_backend(cuda_built(), nccl_built(), False)
+    expected = select_device_backend(cuda_built(), nccl_built())
     assert choice == expected
     assert (warning is None) == (choice == NCCL)

@@ -8,7 +8,7 @@ import pytest
 import hpc_horovod as hvd
 from hpc_horovod.common.basics import pin_gpu
 from hpc_horovod.common.errors import TopologyError
-from hpc_horovod.common.gpu import (
+from hpc_horovod.common.gpu_layout import (
     GpuLayoutError,
     gpus_requested,
     parse_visible_devices,

@@ -87,7 +87,7 @@ def test_one_rank_per_gpu(mpirun, where, env):
 def test_two_ranks_on_one_gpu(mpirun):
     """NCCL >= 2.30 lets two ranks share the GPU with NCCL_MULTI_RANK_GPU_ENABLE=1; before,
     init sees the sharing and GPU tensors go through host memory over MPI."""
-    from hpc_horovod.common.gpu import nccl_version_tuple
+    from hpc_horovod.common.gpu_probe import nccl_version_tuple
 
     shares = nccl_version_tuple(NCCL) >= (2, 30, 0)
     env = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if shares else {}

@@ -1,5 +1,5 @@
 """The torch binding end to end on one rank's tensors: every check of ``check-build --gpu``
-(``hpc_horovod.check_build.GpuCheck``: allreduce of every dtype and op kind, in place and
+(``hpc_horovod.gpu_check.GpuCheck``: allreduce of every dtype and op kind, in place and
 not, scaled, non-contiguous, grouped, one flat bucket, a producer on a side stream, allgather,
 broadcast, alltoall, reducescatter, Adasum, an optimizer step), each against the result computed
 on the CPU, plus what only a test looks at on a GPU:
@@ -7,7 +7,8 @@ on the CPU, plus what only a test looks at on a GPU:
 - the transport is the expected one (``--expect nccl|single``);
 - CuPy's memory pool stayed empty: every device array came from torch's allocator;
 - a rank whose GPU is not 0 created no context on GPU 0;
-- a tensor on another GPU than the rank's is refused with a clear error.
+- a tensor on another GPU than the rank's is refused with a clear error;
+- a synchronous op leaves the caller's current device as it found it.
 
 Usage: ``python torch_device_worker.py [--device cpu] [--no-cupy] [--no-set-device]
 [--expect TRANSPORT]``, alone (one process) or under ``mpirun -np N``. ``--device cpu`` runs the
@@ -34,8 +35,8 @@ if args.no_cupy:
 import torch  # noqa: E402
 
 import hpc_horovod.torch as hvd  # noqa: E402
-from hpc_horovod.check_build import GpuCheck  # noqa: E402
 from hpc_horovod.common import basics  # noqa: E402
+from hpc_horovod.gpu_check import GpuCheck  # noqa: E402
 from hpc_horovod.torch import adapter  # noqa: E402
 
 hvd.init()
@@ -68,7 +69,18 @@ if check.dev.type == "cuda":
         cuda.cuDeviceGet(ctypes.byref(handle), 0)
         cuda.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags), ctypes.byref(active))
         extra("no context on GPU 0", active.value == 0, "a context exists on GPU 0")
-    if torch.cuda.device_count() > 1 and adapter.device_views(transport, torch.float32):
+    if torch.cuda.device_count() > 1 and transport in ("nccl", "single"):
+        # a synchronous op leaves the caller's current device as it was (one with a context)
+        other = (check.dev.index + 1) % torch.cuda.device_count()
+        previous = torch.cuda.current_device()
+        torch.cuda.set_device(other)
+        torch.zeros(1, device=other)
+        hvd.allreduce(torch.ones(3, device=check.dev), name="keeps.the.device")
+        extra("caller's current device kept", torch.cuda.current_device() == other,
+              f"cuda:{torch.cuda.current_device()} after the op, cuda:{other} before")
+        torch.cuda.set_device(previous)
+    views = adapter.device_views(transport, torch.float32, check.dev.index)
+    if torch.cuda.device_count() > 1 and views:
         other = torch.device("cuda", (check.dev.index + 1) % torch.cuda.device_count())
         try:
             hvd.allreduce(torch.ones(3, device=other))

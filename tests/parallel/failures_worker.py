@@ -13,7 +13,7 @@
 * ``early_exit``: rank 0 shuts down while the others still submit: their ops fail naming it.
 * ``local_failure``: the backend fails on the last rank only (a read-only output buffer slipped
   past validation through the low-level ``submit``); its handle must complete with an error, and
-  the others must not wait longer than HOROVOD_PEER_TIMEOUT_SECONDS.
+  the others learn why at once (not after HOROVOD_PEER_TIMEOUT_SECONDS).
 """
 
 from __future__ import annotations

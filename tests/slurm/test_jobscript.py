@@ -3,6 +3,7 @@
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_jean_zay_gpu_job():
     assert d["--open-mode"] == "append" and "--requeue" in d and d["--signal"] == "USR2@300"
     assert "export SRUN_CPUS_PER_TASK=10\n" in script and "export OMP_NUM_THREADS=10\n" in script
     assert "module purge\nmodule load horovod " in script
-    assert srun_line(script) == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", *CMD]
+    assert srun_line(script) == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--label", *CMD]
     assert "set -x" in script  # the Jean Zay template's own block
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
@@ -101,6 +102,10 @@ def test_oscar_partition_with_feature_constraint():
     (dict(gpus_per_node=4, account="abc@h100"), "--account abc@v100"),
     (dict(gpus_per_node=4, constraint="h100", partition="gpu_p13"), "not both"),
     (dict(gpus_per_node=4, signal_seconds=7200), "--signal USR2@7200: the signal must come"),
+    (dict(gpus_per_node=4, time="3", signal_seconds=90),
+     "SLURM may send it up to 60 s early, while the tasks still start .60 s.: ask at most "
+     "USR2@60"),
+    (dict(gpus_per_node=4, time="2", requeue=True), "a requeue-able job needs more than 00:02"),
     (dict(nodes=2, ntasks=3), "--ntasks 3 does not split evenly over --nodes 2"),
     (dict(nodes=2, ntasks=4, ntasks_per_node=1), "disagree"),
     (dict(ntasks_per_node=0), "--ntasks-per-node must be at least 1, got 0"),
@@ -130,8 +135,8 @@ def test_user_strings_cannot_become_commands(tmp_path):
     nasty = ["x; rm -rf ~", "$(touch pwned)", "`id`", "a'b\nc", "--flag=*"]
     script = render(command=["python", "train.py", *nasty], gpus_per_node=1,
                     env={"NOTE": "$(touch pwned) ; echo hi", "DATA": "a b"})
-    assert srun_line(script)[3:] == ["python", "train.py", *nasty]
-    probe = script.replace("srun --mpi=pmix --kill-on-bad-exit=1 ", "printf '<%s>\\n' ")
+    assert srun_line(script)[4:] == ["python", "train.py", *nasty]
+    probe = script.replace("srun --mpi=pmix --kill-on-bad-exit=1 --label ", "printf '<%s>\\n' ")
     probe = probe + 'printf "<%s>\\n" "$NOTE" "$DATA"\n'
     proc = subprocess.run(["bash", "-c", probe.split("\n", 1)[1]], capture_output=True,
                           text=True, env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
@@ -142,21 +147,62 @@ def test_user_strings_cannot_become_commands(tmp_path):
     assert proc.stdout.endswith("<$(touch pwned) ; echo hi>\n<a b>\n")
 
 
-def test_cli_writes_the_script_or_nothing(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def in_job_dir(tmp_path, monkeypatch):
+    """A directory with the scripts the job commands name, as the current directory."""
     monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
-    out = tmp_path / "job.sh"
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "t.py"):
+        (tmp_path / name).write_text("print('hi')\n")
+    return tmp_path
+
+
+def test_cli_writes_the_script_or_nothing(in_job_dir, capsys):
+    out = in_job_dir / "job.sh"
     assert main(["sbatch", "--cluster", "jean-zay", "--nodes", "2", "--gpus-per-node", "4",
                  "--env", "A=1", "--script", str(out), "--", "python", "train.py", "a b"]) == 0
-    assert srun_line(out.read_text())[3:] == ["python", "train.py", "a b"]
+    assert srun_line(out.read_text())[4:] == [sys.executable, "train.py", "a b"]
     assert main(["sbatch", "--gpus-per-node", "1", "--modules", "", "--", "python", "t.py"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("#!/bin/bash\n") and "module" not in printed
 
-    bad = tmp_path / "bad.sh"
+    bad = in_job_dir / "bad.sh"
     assert main(["sbatch", "--cluster", "jean-zay", "-J", "x; rm -rf ~", "--script", str(bad),
                  "--", "python", "t.py"]) == 2
     assert not bad.exists()
     assert "--job-name 'x; rm -rf ~' may only contain" in capsys.readouterr().err
+
+
+def test_script_file_is_never_overwritten_without_force(in_job_dir, capsys):
+    out = in_job_dir / "job.sh"
+    out.write_text("my own job\n")
+    assert main(["sbatch", "--script", str(out), "--", "python", "t.py"]) == 2
+    assert out.read_text() == "my own job\n"
+    assert f"{out} exists: not overwriting it (pass --force" in capsys.readouterr().err
+    assert main(["sbatch", "--script", str(out), "--force", "--", "python", "t.py"]) == 0
+    assert out.read_text().startswith("#!/bin/bash\n")
+
+
+def test_bare_python_is_this_interpreter_and_the_script_must_exist(in_job_dir, capsys):
+    """A bare python would be the job's PATH's (none, or one without hpc_horovod): the tasks
+    run this interpreter, and say so; a missing script or program is refused before anything
+    is written."""
+    assert main(["sbatch", "--", "python3", "-u", "t.py"]) == 0
+    captured = capsys.readouterr()
+    assert srun_line(captured.out)[4:] == [sys.executable, "-u", "t.py"]
+    assert f"the tasks run python3 as {sys.executable}" in captured.err
+    assert main(["sbatch", "--", "python", "-m", "some.module"]) == 0  # nothing to check
+    capsys.readouterr()
+    for command, error in [(["python", "missing.py"], "missing.py: no such file in "),
+                           (["./run.sh"], "./run.sh: no such file in "),
+                           (["no-such-program-x"], "'no-such-program-x' is not on PATH")]:
+        out = in_job_dir / "never.sh"
+        assert main(["sbatch", "--modules", "", "--script", str(out), "--", *command]) == 2
+        assert error in capsys.readouterr().err and not out.exists()
+    (in_job_dir / "sub").mkdir()
+    (in_job_dir / "sub" / "other.py").write_text("")
+    assert main(["sbatch", "-D", "sub", "--", "python", "other.py"]) == 0
+    assert "#SBATCH --chdir=sub" in capsys.readouterr().out
 
 
 def cli_directives(capsys, *argv: str) -> dict[str, str]:
@@ -164,9 +210,8 @@ def cli_directives(capsys, *argv: str) -> dict[str, str]:
     return directives(capsys.readouterr().out)
 
 
-def test_cli_speaks_slurm(capsys, monkeypatch):
+def test_cli_speaks_slurm(in_job_dir, capsys):
     """sbatch's own spellings, short and long, on a CPU partition."""
-    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
     d = cli_directives(capsys, "-N", "2", "--ntasks-per-node", "40", "-p", "cpu", "-t", "30",
                        "-J", "sim", "-A", "proj", "-q", "normal", "-c", "2", "-o", "logs/%j.out",
                        "--signal", "USR2@120", "--requeue")
@@ -174,15 +219,105 @@ def test_cli_speaks_slurm(capsys, monkeypatch):
     assert d["--partition"] == "cpu" and d["--time"] == "00:30:00" and d["--job-name"] == "sim"
     assert d["--account"] == "proj" and d["--qos"] == "normal" and d["--cpus-per-task"] == "2"
     assert d["--output"] == "logs/%j.out" and d["--signal"] == "USR2@120"
+    assert d["--open-mode"] == "append"  # a requeued run goes on in the same file
     long = cli_directives(capsys, "--nodes=2", "--tasks-per-node=3", "--time=1-12",
-                          "--constraint=skylake", "--job-name=sim")
+                          "--constraint=skylake", "--job-name=sim", "-p", "cpu")
     assert long["--ntasks-per-node"] == "3" and long["--time"] == "36:00:00"
-    assert long["--constraint"] == "skylake"
+    assert long["--constraint"] == "skylake" and long["--partition"] == "cpu"
+    assert "--open-mode" not in long  # SLURM's default: one job's file is its own
     assert cli_directives(capsys, "-N", "2", "-n", "8")["--ntasks-per-node"] == "4"
+    assert cli_directives(capsys, "-t", "UNLIMITED")["--time"] == "UNLIMITED"
 
 
-def test_the_issue_command_is_a_cpu_job(capsys, monkeypatch):
-    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
+def test_gpus_is_for_the_whole_job_as_in_sbatch(in_job_dir, capsys):
+    d = cli_directives(capsys, "-N", "2", "--gpus", "2")
+    assert d["--gres"] == "gpu:1" and d["--ntasks-per-node"] == "1"
+    assert cli_directives(capsys, "-N", "2", "-G", "8")["--gres"] == "gpu:4"
+    assert main(["sbatch", "-N", "2", "--gpus", "3", "--", "python", "t.py"]) == 2
+    assert "--gpus 3 (GPUs for the whole job, as in sbatch) does not split evenly over " \
+        "--nodes 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--gpu", "2"], "--gpu: did you mean --gpus or --gpus-per-node"),
+    (["--cpus", "2"], "--cpus: did you mean --cpus-per-gpu or --cpus-per-task"),
+    (["--tasks", "2"], "--tasks: did you mean --tasks-per-node"),
+    (["--gpus-per", "2"], "--gpus-per: did you mean --gpus-per-node"),
+    (["--mem-per-gp", "2G"], "--mem-per-gp: did you mean --mem-per-gpu"),
+])
+def test_no_abbreviations_and_a_hint(in_job_dir, capsys, argv, hint):
+    with pytest.raises(SystemExit) as info:
+        main(["sbatch", *argv, "--script", "x.sh", "--", "python", "t.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[0]}" in err and hint in err, err
+    assert not (in_job_dir / "x.sh").exists()
+
+
+def test_no_sub_command_takes_abbreviations(in_job_dir, capsys):
+    for argv in (["notebooks", "copy", "--forc"], ["run", "-np", "1", "--verbos", "true"],
+                 ["module", "install", "--prefix", "x", "--forc"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, fix", [("--gpus-per-task", "use --gpus-per-node N"),
+                                       ("--ntasks-per-gpu", "use --gpus-per-node N"),
+                                       ("--cpus-per-gpu", "use -c/--cpus-per-task"),
+                                       ("--wrap", "the command goes after --")])
+def test_sbatch_options_against_one_task_per_gpu_name_the_fix(in_job_dir, capsys, flag, fix):
+    assert main(["sbatch", flag, "1", "--", "python", "t.py"]) == 2
+    assert f"{flag}: " in (err := capsys.readouterr().err) and fix in err
+
+
+def test_other_sbatch_options_pass_through(in_job_dir, capsys):
+    d = cli_directives(capsys, "--mem", "64G", "--exclusive", "-a", "0-15%4", "-d",
+                       "afterok:12:13", "-e", "err-%j.txt", "--mail-user=a@b.org",
+                       "--mail-type", "END,FAIL", "--gres", "nvme:1", "-H", "--nice")
+    assert d["--mem"] == "64G" and d["--exclusive"] == "" and d["--array"] == "0-15%4"
+    assert d["--dependency"] == "afterok:12:13" and d["--error"] == "err-%j.txt"
+    assert d["--mail-user"] == "a@b.org" and d["--mail-type"] == "END,FAIL"
+    assert d["--gres"] == "nvme:1" and "--hold" in d and "--nice" in d
+    assert cli_directives(capsys, "--exclusive=user")["--exclusive"] == "user"
+    for argv, error in [(["--comment", "a b"], "--comment 'a b' may only contain"),
+                        (["--mem", "4G\n#SBATCH --uid=0"], "--mem '4G\\n#SBATCH"),
+                        (["--gres", "gpu:2"], "ask GPUs with --gpus-per-node N")]:
+        assert main(["sbatch", *argv, "--", "python", "t.py"]) == 2
+        assert error in capsys.readouterr().err
+
+
+def test_submit_takes_the_cli_options_by_their_python_names(tmp_path):
+    """Every option of `hpc-horovod sbatch` that describes the job is an argument of submit()
+    (sbatch's other options by keyword), and its errors name those arguments."""
+    import argparse
+    import inspect
+
+    from hpc_horovod.cli import build_parser
+    from hpc_horovod.slurm import options, submit
+
+    parser = build_parser()
+    sbatch_parser = next(a for a in parser._actions
+                         if isinstance(a, argparse._SubParsersAction)).choices["sbatch"]
+    cli = {a.dest for a in sbatch_parser._actions} - {"help", "script", "force", "submit",
+                                                      "job_command"}
+    cli = {d for d in cli if not d.startswith("refused_")}
+    params = inspect.signature(submit).parameters
+    assert cli - set(options.PASSTHROUGH) <= set(params), cli - set(params)
+    assert set(options.PLANNED) <= set(params)
+    assert inspect.Parameter.VAR_KEYWORD in {p.kind for p in params.values()}
+    for kwargs, error in [(dict(ntasks_per_node=0), "^ntasks_per_node must be at least 1"),
+                          (dict(nodes=2, gpus=3), "^gpus 3 .* over nodes 2"),
+                          (dict(mem="a b"), "^mem 'a b' may only contain"),
+                          (dict(signal="USR1@9"), "^signal 'USR1@9'")]:
+        with pytest.raises(ValueError, match=error):
+            submit(print, workdir=tmp_path, **kwargs)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'memx'"):
+        submit(print, workdir=tmp_path, memx="1G")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_issue_command_is_a_cpu_job(in_job_dir, capsys):
     d = cli_directives(capsys, "--cluster", "generic", "--nodes", "2", "--ntasks-per-node", "2")
     assert d["--nodes"] == "2" and d["--ntasks-per-node"] == "2" and "--gres" not in d
 
@@ -211,8 +346,8 @@ echo "mysite: job {{ job.job_name }}"
 """
 
 
-def test_site_template_extends_the_base(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HPC_HOROVOD_CLUSTERS", "/nonexistent/clusters.toml")
+def test_site_template_extends_the_base(in_job_dir, capsys):
+    tmp_path = in_job_dir
     site = tmp_path / "mysite.sbatch.j2"
     site.write_text(SITE_TEMPLATE)
     # a file named like a packaged template next to it does not replace the packaged one
@@ -221,7 +356,8 @@ def test_site_template_extends_the_base(tmp_path, capsys, monkeypatch):
                  "t.py"]) == 0
     script = capsys.readouterr().out
     assert 'echo "mysite: job sitejob"' in script and "hijacked" not in script
-    assert directives(script)["--nodes"] == "2" and srun_line(script)[3:] == ["python", "t.py"]
+    assert directives(script)["--nodes"] == "2"
+    assert srun_line(script)[4:] == [sys.executable, "t.py"]
 
 
 @pytest.mark.parametrize("text, error", [

@@ -9,6 +9,7 @@ only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is exerc
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,8 +61,8 @@ def test_arguments_reach_every_task_verbatim(slurm, tmp_path):
     status, _ = slurm.submit_and_wait(script)
     out = _output(tmp_path, "quoting")
     assert status == 0, out
-    seen = [json.loads(line[len("ARGS "):]) for line in out.splitlines()
-            if line.startswith("ARGS ")]
+    seen = [json.loads(line.split(": ARGS ", 1)[1]) for line in out.splitlines()
+            if ": ARGS " in line]  # srun --label: each line led by its rank
     assert seen == [[nasty, "$(touch pwned4); echo"]] * 2, out
     assert not list(tmp_path.glob("pwned*"))
 
@@ -220,6 +221,9 @@ def test_times_mean_what_sbatch_reads(slurm, tmp_path):
         job = proc.stdout.strip().split(";")[0]
         limit = slurm.job_state(job)["TimeLimit"]
         slurm.run(["scancel", job], check=True)
+        if seconds == math.inf:
+            assert limit == "UNLIMITED", (text, limit)
+            continue
         assert _slurm_minutes(limit) == -(-seconds // 60), (text, limit)
         # and the form written into job scripts reads back the same
         assert validate.parse_time(validate.format_time(seconds)) == seconds
@@ -229,11 +233,14 @@ def test_times_mean_what_sbatch_reads(slurm, tmp_path):
 
 
 def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
+    (tmp_path / "t.py").write_text("")
     proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-c", "1",
                       "-t", "5", "-J", "spelled", "-p", "debug", "-o", "spelled-%j.out",
-                      "--signal", "USR2@60", "--requeue", "--script", "job.sh", "--",
-                      "python", "t.py"], cwd=tmp_path, check=True)
-    assert proc.stdout == ""
+                      "--signal", "USR2@60", "--requeue", "--mem", "1000M", "--exclusive",
+                      "-a", "0-1", "-e", "err-%A_%a.txt", "--mail-type", "END", "-d",
+                      "singleton", "--script", "job.sh", "--", "python", "t.py"], cwd=tmp_path,
+                     check=True)
+    assert proc.stdout == "" and "the tasks run python as" in proc.stderr
     test = slurm.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path)
     assert test.returncode == 0 and "to start at" in test.stderr and "n[1-2]" in test.stderr, \
         test.stderr
@@ -245,14 +252,37 @@ def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
     assert test.returncode == 0, test.stderr
 
 
-def test_cpu_job_with_slurm_spellings_runs(slurm, tmp_path):
-    """hpc-horovod sbatch -N 2 --ntasks-per-node 2 ... --submit: four ranks on two nodes."""
-    proc = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--ntasks-per-node", "2", "-t", "3",
-                      "-J", "cpujob", "-p", "debug", "--modules", "", "--submit", "--",
-                      sys.executable, str(WORKERS / "check_layout.py")], cwd=tmp_path,
-                     check=True)
-    state = slurm.wait_job(proc.stdout.strip(), 60)
-    out = _output(tmp_path, "cpujob")
-    assert state["JobState"] == "COMPLETED", f"{state}\n{out}"
-    assert out.count("layout ok") == 4, out
-    assert state["NumNodes"] == "2" and state["NumTasks"] == "4", state
+def test_gpus_means_what_sbatch_means(slurm, tmp_path):
+    """-N 2 --gpus 2 is two GPUs for the job, as sbatch's own --gpus 2 (here one per node, so
+    that every node runs one task per GPU): the tasks see as many GPUs in all."""
+    show = "import os; print('GPUS', os.environ['SLURMD_NODENAME'], " \
+           "os.environ.get('CUDA_VISIBLE_DEVICES', ''))"
+    ours = slurm.run([*HPC_HOROVOD, "sbatch", "-N", "2", "--gpus", "2", "-t", "5", "-J", "ours",
+                      "--submit", "--", "python", "-c", show], cwd=tmp_path, check=True)
+    theirs = slurm.run(["sbatch", "--parsable", "-N", "2", "--gpus", "2", "-t", "5", "-J",
+                        "theirs", "-o", "theirs-%j.out", "--wrap",
+                        f"srun --ntasks-per-node=1 {sys.executable} -c \"{show}\""],
+                       cwd=tmp_path, check=True)
+    seen = {}
+    for name, job in (("ours", ours.stdout.strip()), ("theirs", theirs.stdout.strip())):
+        record = slurm.wait_job(job, 60)
+        out = _output(tmp_path, name)
+        assert record["JobState"] == "COMPLETED", f"{record}\n{out}"
+        lines = [line.split("GPUS ", 1)[1].split() for line in out.splitlines() if "GPUS " in line]
+        seen[name] = {node: len(gpus[0].split(",")) if gpus else 0 for node, *gpus in lines}
+    assert seen["ours"] == {"n1": 1, "n2": 1}, seen
+    assert sum(seen["theirs"].values()) == sum(seen["ours"].values()) == 2, seen
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["-p", "gpu"], "--partition gpu: no such partition on this cluster (sinfo); it has debug"),
+    (["--ntasks-per-node", "64"], "64 CPUs per node, but the nodes of partition debug have 4"),
+    (["--gpus-per-node", "3"], "--gpus-per-node 3: the nodes of partition debug have 2 GPU(s)"),
+])
+def test_generic_jobs_are_checked_against_the_live_cluster(slurm, tmp_path, argv, error):
+    """The generic profile knows nothing of this cluster; sinfo does."""
+    (tmp_path / "t.py").write_text("")
+    proc = slurm.run([*HPC_HOROVOD, "sbatch", *argv, "--script", "job.sh", "--", "python",
+                      "t.py"], cwd=tmp_path)
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+    assert not (tmp_path / "job.sh").exists()

@@ -87,7 +87,7 @@ def test_interrupt_cancels_the_job(slurm, tmp_path):
 def test_submit_checks_before_writing(tmp_path):
     from hpc_horovod.slurm import submit
 
-    with pytest.raises(ValueError, match="--time '20h' is not a SLURM time"):
+    with pytest.raises(ValueError, match="^time '20h' is not a SLURM time"):
         submit(print, time="20h", workdir=tmp_path)
     with pytest.raises(TypeError, match="cannot be pickled"):
         submit(print, args=(threading.Lock(),), workdir=tmp_path)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from hpc_horovod.slurm import validate
@@ -11,10 +13,11 @@ SLURM_TIMES = [
     ("1-0", 86400), ("2-12", 216000),                             # D-HH
     ("1-2:30", 95400),                                            # D-HH:MM
     ("1-12:00:30", 129630), ("0-0:0:1", 1),                       # D-HH:MM:SS
+    ("UNLIMITED", math.inf), ("INFINITE", math.inf), ("unlimited", math.inf),  # no limit
 ]
-#: refused: not a time, no limit at all (0, INFINITE), or a later field out of range (which
-#: SLURM would silently carry into the next one)
-BAD_TIMES = ["20h", "1:2:3:4", "", "0", "00:00:00", "-1", "-1:00:00", "INFINITE", "1-",
+#: refused: not a time, no time at all (0), or a later field out of range (which SLURM would
+#: silently carry into the next one)
+BAD_TIMES = ["20h", "1:2:3:4", "", "0", "00:00:00", "-1", "-1:00:00", "UNLIMITEDX", "1-",
              "00:61:00", "00:00:60", "61:61", "1-25", "1-2:61", "10:00:00\n#SBATCH --x",
              "1 0", "١٠"]
 
@@ -45,6 +48,7 @@ def test_bad_signals(text, error):
 
 
 def test_format_time_keeps_hours_over_a_day():
+    assert validate.format_time(math.inf) == "UNLIMITED"
     assert validate.format_time(360000) == "100:00:00"
     assert validate.format_time(129630) == "36:00:30"
 

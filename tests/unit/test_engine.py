@@ -163,9 +163,9 @@ class _PatienceBackend(SingleBackend):
         super().__init__()
         self.negotiations = []
 
-    def negotiate(self, words, timeout_s):
+    def negotiate(self, words, timeout_s, alarm=None):
         self.negotiations.append((threading.current_thread().name, patience.keeps_core()))
-        return super().negotiate(words, timeout_s)
+        return super().negotiate(words, timeout_s, alarm)
 
 
 def test_cycles_keep_the_core_while_a_caller_waits_and_not_in_the_background():

@@ -32,7 +32,7 @@ def test_the_gpu_checks_pass_on_cpu_tensors_on_two_ranks(mpirun):
 
 def test_the_gpu_table_shows_versions_failures_and_bandwidth():
     """The table's layout, from made-up rows and timings (no GPU measured anything here)."""
-    from hpc_horovod.check_build import gpu_table, multi_rank_note
+    from hpc_horovod.gpu_check import gpu_table, multi_rank_note
 
     rows = [("allreduce float32 Average", True, ""), ("Adasum", False, "AssertionError: x"),
             ("alltoall with splits", True, "")]

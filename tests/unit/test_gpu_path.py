@@ -16,7 +16,7 @@ from support import ROOT, mpi_env
 
 from hpc_horovod.backends.nccl import mpi_wire_dtype
 from hpc_horovod.backends.single import SingleBackend
-from hpc_horovod.common import gpu
+from hpc_horovod.common import gpu_layout, gpu_probe, gpu_stream
 from hpc_horovod.common.collectives import adasum_host_input, adasum_one
 from hpc_horovod.common.fusion import laid_end_to_end
 from hpc_horovod.common.request import Request, signature_of
@@ -29,42 +29,42 @@ def test_a_launcher_that_sets_one_device_per_rank_is_not_sharing():
     rank outside SLURM: each sees one device, index 0, and no rank may call it sharing."""
     for local_rank in range(4):
         env = {"CUDA_VISIBLE_DEVICES": str(local_rank)}
-        assert gpu.select_gpu(local_rank, 4, env) == 0
+        assert gpu_layout.select_gpu(local_rank, 4, env) == 0
 
 
 def test_sharing_is_certain_when_every_rank_sees_the_same_devices():
-    with pytest.raises(gpu.GpuLayoutError, match="2 ranks run on this node"):
-        gpu.select_gpu(1, 2, {}, runtime_count=1)
+    with pytest.raises(gpu_layout.GpuLayoutError, match="2 ranks run on this node"):
+        gpu_layout.select_gpu(1, 2, {}, runtime_count=1)
     slurm = {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_STEP_GPUS": "0,1"}
-    with pytest.raises(gpu.GpuLayoutError, match="--gpus-per-task=1"):
-        gpu.select_gpu(3, 4, slurm)
-    assert gpu.select_gpu(3, 4, dict(slurm, SLURM_GPUS_PER_TASK="1")) == 1
-    assert gpu.same_devices_on_node({}) and not gpu.same_devices_on_node(
+    with pytest.raises(gpu_layout.GpuLayoutError, match="--gpus-per-task=1"):
+        gpu_layout.select_gpu(3, 4, slurm)
+    assert gpu_layout.select_gpu(3, 4, dict(slurm, SLURM_GPUS_PER_TASK="1")) == 1
+    assert gpu_layout.same_devices_on_node({}) and not gpu_layout.same_devices_on_node(
         {"CUDA_VISIBLE_DEVICES": "0"})
 
 
 def test_shared_gpus_compares_physical_devices_per_node():
     entries = [("n1", "0000:1A:00.0"), ("n1", "0000:1b:00.0"), ("n2", "0000:1A:00.0"),
                ("n1", "0000:1a:00.0"), ("n2", None)]
-    assert gpu.shared_gpus(entries) == [[0, 3]]
-    assert gpu.shared_gpus([("n1", "A"), ("n2", "A"), ("n1", "B")]) == []
-    text = gpu.sharing_message([[0, 3]], entries)
+    assert gpu_layout.shared_gpus(entries) == [[0, 3]]
+    assert gpu_layout.shared_gpus([("n1", "A"), ("n2", "A"), ("n1", "B")]) == []
+    text = gpu_layout.sharing_message([[0, 3]], entries)
     assert "ranks 0, 3 on GPU 0000:1A:00.0" in text and "Duplicate GPU detected" in text
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in text and "--gpus-per-task=1" in text
 
 
 def test_several_ranks_per_gpu_only_from_nccl_2_30_with_the_variable():
     on = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
-    assert gpu.multi_rank_gpu_allowed(23000, on)
-    assert not gpu.multi_rank_gpu_allowed(23000, {})
-    assert not gpu.multi_rank_gpu_allowed(22903, on)
-    assert not gpu.multi_rank_gpu_allowed(0, on)
+    assert gpu_layout.multi_rank_gpu_allowed(23000, on)
+    assert not gpu_layout.multi_rank_gpu_allowed(23000, {})
+    assert not gpu_layout.multi_rank_gpu_allowed(22903, on)
+    assert not gpu_layout.multi_rank_gpu_allowed(0, on)
 
 
 def test_a_cuda_tensor_on_another_gpu_than_the_ranks_is_refused():
-    gpu.check_tensor_device(2, 2, "allreduce")
+    gpu_layout.check_tensor_device(2, 2, "allreduce")
     with pytest.raises(ValueError) as info:
-        gpu.check_tensor_device(1, 0, "allreduce")
+        gpu_layout.check_tensor_device(1, 0, "allreduce")
     text = str(info.value)
     assert "cuda:1" in text and "cuda:0" in text and "torch.cuda.set_device" in text
 
@@ -72,32 +72,32 @@ def test_a_cuda_tensor_on_another_gpu_than_the_ranks_is_refused():
 def test_group_device_is_the_backends_else_the_arrays():
     """Stands in for an NCCL backend (which has ``device``) and for one process's backend (which
     has none); the arrays' device is read only in the latter case."""
-    assert gpu.group_device(SimpleNamespace(device=3), [None]) == 3
+    assert gpu_stream.group_device(SimpleNamespace(device=3), [None]) == 3
     with pytest.raises(ValueError, match="without a device array"):
-        gpu.group_device(SingleBackend(), [None])
+        gpu_stream.group_device(SingleBackend(), [None])
 
 
 # -- packages and versions ------------------------------------------------------------------------
 def test_install_hints_follow_the_cuda_major_version():
-    assert gpu.cupy_package(13000) == "cupy-cuda13x"
-    assert gpu.nccl_package(13000) == "nvidia-nccl-cu13"
-    assert gpu.nccl_package(12080) == "nvidia-nccl-cu12"
-    assert "cupy-cuda12x or cupy-cuda13x" in gpu.install_hint(None)
-    assert "nvidia-nccl-cu12 or nvidia-nccl-cu13" in gpu.install_hint(None)
+    assert gpu_probe.cupy_package(13000) == "cupy-cuda13x"
+    assert gpu_probe.nccl_package(13000) == "nvidia-nccl-cu13"
+    assert gpu_probe.nccl_package(12080) == "nvidia-nccl-cu12"
+    assert "cupy-cuda12x or cupy-cuda13x" in gpu_probe.install_hint(None)
+    assert "nvidia-nccl-cu12 or nvidia-nccl-cu13" in gpu_probe.install_hint(None)
 
 
 def test_bfloat16_on_the_device_needs_cupy_14_numpy_2_1_2_and_ml_dtypes():
-    assert gpu.cupy_takes_bfloat16("14.2.0", "2.1.2", True)
-    assert gpu.cupy_takes_bfloat16("14.0.0rc1", "2.3.0", True)
-    assert not gpu.cupy_takes_bfloat16("13.6.0", "2.3.0", True)
-    assert not gpu.cupy_takes_bfloat16("14.2.0", "2.1.1", True)
-    assert not gpu.cupy_takes_bfloat16("14.2.0", "2.3.0", False)
+    assert gpu_probe.cupy_takes_bfloat16("14.2.0", "2.1.2", True)
+    assert gpu_probe.cupy_takes_bfloat16("14.0.0rc1", "2.3.0", True)
+    assert not gpu_probe.cupy_takes_bfloat16("13.6.0", "2.3.0", True)
+    assert not gpu_probe.cupy_takes_bfloat16("14.2.0", "2.1.1", True)
+    assert not gpu_probe.cupy_takes_bfloat16("14.2.0", "2.3.0", False)
 
 
 def test_fallback_warning_names_the_nccl_package_of_this_cuda():
-    text = gpu.fallback_warning(gpu.MPI_STAGED, True, 0)
-    assert f"pip install {gpu.nccl_package(gpu.cuda_runtime_version())}" in text
-    assert "cupy-cuda1" in gpu.fallback_warning(gpu.MPI_STAGED, False, 0)
+    text = gpu_probe.fallback_warning(gpu_probe.MPI_STAGED, True, 0)
+    assert f"pip install {gpu_probe.nccl_package(gpu_probe.cuda_runtime_version())}" in text
+    assert "cupy-cuda1" in gpu_probe.fallback_warning(gpu_probe.MPI_STAGED, False, 0)
 
 
 # -- staging decisions ----------------------------------------------------------------------------
@@ -153,14 +153,14 @@ def test_one_process_needs_nothing_beyond_torch():
         sys.modules["cupy"] = None  # any import of cupy raises ImportError
         import torch
         import hpc_horovod.torch as hvd
-        from hpc_horovod.common import gpu
+        from hpc_horovod.common import gpu_probe
         from hpc_horovod.torch import adapter
         hvd.init()
-        assert gpu.cupy_or_none() is None
-        assert not adapter.device_views("single", torch.float32)
-        assert not adapter.device_views("host", torch.float32)
-        assert adapter.device_views("nccl", torch.float32)
-        assert not adapter.device_views("nccl", torch.bfloat16)  # no CuPy to take it
+        assert gpu_probe.cupy_or_none() is None
+        assert not adapter.device_views("single", torch.float32, 0)
+        assert not adapter.device_views("host", torch.float32, 0)
+        assert adapter.device_views("nccl", torch.float32, 0)
+        assert not adapter.device_views("nccl", torch.bfloat16, 0)  # no CuPy to take it
         out = hvd.allreduce(torch.ones(4), op=hvd.Sum)
         assert out.tolist() == [1.0] * 4
         hvd.shutdown()

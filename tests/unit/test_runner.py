@@ -45,7 +45,7 @@ def test_results_by_rank(no_launcher, capfd):
     assert "[1,0]<stdout>:hello from rank 0" in out and "[1,1]<stdout>:hello from rank 1" in out
 
 
-def test_the_failing_rank_is_named(no_launcher):
+def test_the_failing_rank_is_named(no_launcher, capfd):
     def fails_on_rank_1():
         import hpc_horovod as hvd
 
@@ -60,6 +60,14 @@ def test_the_failing_rank_is_named(no_launcher):
     note = "\n".join(info.value.__notes__)
     assert note.startswith("raised on rank 1 of 2"), note
     assert "in fails_on_rank_1" in note and note.endswith("KeyError: 'no such shard'")
+    # the frame names this file and shows its line, not cloudpickle's <dynamic-code>
+    assert f'File "{__file__}", line ' in note and "<dynamic-code>" not in note, note
+    assert 'raise KeyError("no such shard")' in note, note
+    # rank 0, waiting in the barrier, learns rank 1's error, not a bare shutdown
+    err = capfd.readouterr().err
+    assert "called shutdown" not in err, err
+    assert "rank 1 failed first: KeyError" in err or "Rank 1 stopped first, with: KeyError" \
+        in err, err
 
 
 def test_a_rank_without_result(no_launcher):

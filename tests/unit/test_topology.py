@@ -271,6 +271,30 @@ def test_explicit_rank_and_size_alone_leave_the_rest_to_mpi():
     assert topo.needs_mpi
 
 
+def test_explicit_process_alone_is_local_rank_0_of_1():
+    topo = detect({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"}, hostname=HOST)
+    assert (topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == (0, 1, 0, 1)
+    assert not topo.needs_mpi
+    one_task = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                "SLURM_STEP_NUM_TASKS": "1"}
+    assert detect(one_task, hostname=HOST).is_complete
+
+
+def test_local_rank_is_an_int_after_init_under_horovod_rank_and_size():
+    """What the README's torch.cuda.set_device(hvd.local_rank()) needs, in a real process."""
+    import subprocess
+    import sys
+
+    from support import clean_env
+
+    code = ("import hpc_horovod as hvd; hvd.init(); "
+            "print(hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=clean_env({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"}))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "1", "0", "1"]
+
+
 @pytest.mark.parametrize("env,names", [
     ({"HOROVOD_RANK": "0"}, "HOROVOD_SIZE"),
     ({"HOROVOD_SIZE": "2"}, "HOROVOD_RANK"),
@@ -396,6 +420,9 @@ values = st.one_of(
 
 def _check_invariants(topo: Topology) -> None:
     assert topo.size >= 1 and 0 <= topo.rank < topo.size
+    if topo.size == 1:  # nothing else will fill them in: hvd.local_rank() must be an int
+        assert (topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == \
+            (0, 1, 0, 1), topo
     if topo.local_rank is not None:
         assert topo.local_rank >= 0
         if topo.local_size is not None:

@@ -26,11 +26,11 @@ def test_a_request_that_never_completes_is_reported_and_kept_alive():
         with pytest.raises(HorovodInternalError,
                            match=r"no answer from some of the 3 ranks for 0 s \(the table\)"):
             waiting.RequestWaiter(3).wait(req, 0.05, "the table")
-        assert any(kept is req for kept in waiting._abandoned)
+        assert any(kept is req for kept in waiting.abandoned)
     finally:
         req.Cancel()
         req.Wait()
-        waiting._abandoned.remove(req)
+        waiting.abandoned.remove(req)
 
 
 def test_a_completed_request_returns_at_once():

@@ -241,14 +241,15 @@ def check_autograd():
     (out * (R + 1)).sum().backward()
     want = torch.cat([torch.full((splits[j], 2), float(j + 1)) for j in range(N)])
     expect_equal(x.grad, want, "alltoall grad")
-    # reducescatter (Sum): the gradient is the allgather of the incoming gradients
+    # reducescatter: the gradient is the allgather of the incoming gradients, times the size
+    # for Sum (Horovod's convention, as allreduce's gradient)
     x = torch.ones(N, 2, requires_grad=True)
     (hvd.reducescatter(x, op=hvd.Sum) * (R + 1)).sum().backward()
     want = torch.stack([torch.full((2,), float(r + 1)) for r in range(N)])
-    expect_equal(x.grad, want, "reducescatter grad")
+    expect_equal(x.grad, want * N, "reducescatter grad")
     x = torch.ones(N, 2, requires_grad=True)
     (hvd.reducescatter(x) * (R + 1)).sum().backward()  # Average
-    expect_equal(x.grad, want / N, "averaged reducescatter grad")
+    expect_equal(x.grad, want, "averaged reducescatter grad")
     # a numerical check of the composite: grad of sum(allreduce(x)**2)
     x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(R))
     x.requires_grad_(True)

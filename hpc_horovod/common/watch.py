@@ -1,0 +1,309 @@
+"""Who is still there: one TCP connection from every rank to rank 0, beside MPI.
+
+MPI tells nothing when a peer process dies: the survivors' collectives wait, and only the
+launcher may end them (``mpirun`` does, ``srun`` only with ``--kill-on-bad-exit``, which is not
+SLURM's default). A process that ends, however it ends, has its sockets closed by its kernel,
+so a connection per rank turns a death into an end-of-file at once, with no timeout to tune and
+no risk of taking a slow rank (a long checkpoint, a rank that holds the GIL) for a dead one:
+its connection stays open while the process lives. A host that vanishes without closing
+anything is caught by TCP keep-alive probes on the same connections.
+
+The same connections carry a failing rank's last words (why it stops) to every other rank
+without a collective, which a rank that fails in the middle of one could not run.
+
+Protocol, one line of JSON per message: a rank sends ``{"fail": reason}`` when it stops on an
+error of its own, ``{"bye": true}`` when it shuts down normally; rank 0 relays every failure to
+every other rank as ``{"fail": reason, "rank": r}``, each of which answers ``{"ack": r}`` once
+its engine knows, and rank 0 then tells the failing rank ``{"acked": true}``: a failing rank
+waits for that (``TELL_S`` at most) before it exits, since its launcher may end the others
+the moment it does. Rank 0 announces lost ranks as ``{"lost": [ranks]}``. A connection that
+ends without ``bye`` is a lost rank.
+
+The listener is rank 0's; the others learn its addresses (every IPv4 address of its host, or
+only ``HOROVOD_GLOO_IFACE``'s when set, Horovod's variable for the interface of its side
+channel) and a random token through one MPI broadcast at ``init``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+#: how long ``init`` waits for every rank to connect to rank 0
+CONNECT_S = 60.0
+#: how long a failing rank waits for the others to acknowledge its last words
+TELL_S = 5.0
+#: after the first lost connection, how long rank 0 gathers others before announcing them
+#: (a host's ranks end together, and one message should name them all)
+GATHER_LOST_S = 0.3
+#: TCP keep-alive for a host that vanishes without closing its connections: idle seconds
+#: before probing, seconds between probes, unanswered probes before the connection is dead
+KEEPALIVE = (4, 2, 3)
+_SIOCGIFADDR = 0x8915
+
+
+def host_addresses(iface: str | None = None) -> list[str]:
+    """This host's IPv4 addresses (only ``iface``'s when given), loopback last."""
+    names = [iface] if iface else [name for _, name in socket.if_nameindex()]
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            found.append(socket.inet_ntoa(packed[20:24]))
+    if iface and not found:
+        raise RuntimeError(f"HOROVOD_GLOO_IFACE={iface}: this host has no IPv4 address on "
+                           "that interface")
+    return sorted(found, key=lambda a: a.startswith("127."))
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+class PeerWatch:
+    """This rank's end of the side channel (see the module's docstring).
+
+    ``on_failure(text, culprit, lost, first)`` runs on the watch's thread when a peer failed
+    (``lost`` False: ``text`` says why) or was lost (``lost`` True); ``culprit`` is the line
+    rank 0 prints for the whole job, ``first`` whether this is the first report.
+    """
+
+    def __init__(self, comm, on_failure: Callable[[str, str, bool], None]):
+        """Collective over ``comm`` (an mpi4py communicator): connects every rank to rank 0."""
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.hosts: list[str] = comm.allgather(socket.gethostname())
+        self._on_failure = on_failure
+        self._closing = False
+        self._reported = False
+        self._lock = threading.Lock()  # one writer at a time on each connection
+        self._peers: dict[socket.socket, int] = {}  # rank 0: connection -> rank
+        self._acks: dict[int, set[int]] = {}  # rank 0: failed rank -> ranks yet to ack
+        self._acked = threading.Event()  # this rank's failure is known everywhere
+        self._hub: socket.socket | None = None  # the others: the connection to rank 0
+        error = None
+        if self.rank == 0:
+            listener, token, addresses = self._listen()
+            comm.bcast((addresses, listener.getsockname()[1], token), root=0)
+            try:
+                self._accept(listener, token)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn it: below
+                error = f"rank 0: {exc}"
+            finally:
+                listener.close()
+        else:
+            addresses, port, token = comm.bcast(None, root=0)
+            try:
+                self._connect(addresses, port, token)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn it: below
+                error = f"rank {self.rank}: {exc}"
+        errors = [e for e in comm.allgather(error) if e]
+        if errors:
+            self.close()
+            raise RuntimeError("the ranks could not open their connections to rank 0 (used to "
+                               "tell a lost rank at once): " + "; ".join(errors[:4]))
+        self._thread = threading.Thread(target=self._run, name="hpc_horovod-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _listen(self):
+        iface = os.environ.get("HOROVOD_GLOO_IFACE") or None
+        addresses = host_addresses(iface)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("0.0.0.0" if not iface else addresses[0], 0))
+        listener.listen(min(self.size, 4096))
+        return listener, secrets.token_hex(16), addresses
+
+    def _accept(self, listener: socket.socket, token: str) -> None:
+        deadline = time.monotonic() + CONNECT_S
+        while len(self._peers) < self.size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, self.size)) - set(self._peers.values()))
+                raise TimeoutError(f"rank(s) {_ranks(missing)} did not connect within "
+                                   f"{CONNECT_S:g} s")
+            listener.settimeout(left)
+            conn, _ = listener.accept()
+            conn.settimeout(left)
+            hello = conn.makefile("rb").readline()
+            try:
+                message = json.loads(hello)
+            except ValueError:
+                message = {}
+            if message.get("token") != token:  # not one of ours
+                conn.close()
+                continue
+            conn.settimeout(None)
+            _keepalive(conn)
+            self._peers[conn] = int(message["rank"])
+
+    def _connect(self, addresses: list[str], port: int, token: str) -> None:
+        if self.hosts[self.rank] == self.hosts[0]:
+            addresses = ["127.0.0.1"] + addresses
+        failures = []
+        for address in addresses:
+            try:
+                sock = socket.create_connection((address, port), timeout=5)
+            except OSError as exc:
+                failures.append(f"{address}:{port}: {exc}")
+                continue
+            sock.settimeout(None)
+            _keepalive(sock)
+            _send(sock, {"token": token, "rank": self.rank})
+            self._hub = sock
+            return
+        raise ConnectionError(f"cannot reach rank 0 on {self.hosts[0]} ("
+                              + "; ".join(failures) + "): set HOROVOD_GLOO_IFACE to the "
+                              "interface the hosts reach each other on")
+
+    # -- messages ----------------------------------------------------------------------------
+    def tell(self, reason: str) -> None:
+        """This rank stops on an error of its own: every other rank learns ``reason``; returns
+        once they all acknowledged it (``TELL_S`` at most)."""
+        if self.rank == 0:
+            self._relay(0, reason)
+        elif self._hub is not None:
+            self._write(self._hub, {"fail": reason})
+        self._acked.wait(TELL_S)
+
+    def close(self) -> None:
+        """A normal end: the peers will not take this rank's departure for a loss."""
+        self._closing = True
+        for sock in ([self._hub] if self._hub is not None else list(self._peers)):
+            self._write(sock, {"bye": True})
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def _write(self, sock: socket.socket, message: dict) -> None:
+        with self._lock:
+            try:
+                _send(sock, message)
+            except OSError:  # that peer is gone already: its end-of-file says so
+                pass
+
+    def _broadcast(self, message: dict, skip: int | None = None,
+                   only: int | None = None) -> None:
+        for sock, rank in list(self._peers.items()):
+            if rank != skip and (only is None or rank == only):
+                self._write(sock, message)
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        socks = [self._hub] if self._hub is not None else list(self._peers)
+        buffers = {}
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+            buffers[sock] = b""
+        departed: set[socket.socket] = set()  # said bye
+        lost: list[int] = []
+        lost_since = None
+        while buffers:
+            timeout = None if lost_since is None else max(
+                0.0, lost_since + GATHER_LOST_S - time.monotonic())
+            for key, _ in selector.select(timeout):
+                sock = key.fileobj
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    selector.unregister(sock)
+                    del buffers[sock]
+                    if sock not in departed and not self._closing:
+                        lost.append(self._peers.get(sock, 0))
+                        lost_since = lost_since or time.monotonic()
+                    continue
+                buffers[sock] += data
+                *lines, buffers[sock] = buffers[sock].split(b"\n")
+                for line in lines:
+                    message = json.loads(line)
+                    if message.get("bye"):
+                        departed.add(sock)
+                    elif "fail" in message:
+                        self._failed(message.get("rank", self._peers.get(sock)),
+                                     message["fail"])
+                    elif "ack" in message:
+                        self._ack(message["ack"], self._peers[sock])
+                    elif message.get("acked"):
+                        self._acked.set()
+                    elif "lost" in message:
+                        self._lost(message["lost"])
+            if lost_since is not None and time.monotonic() >= lost_since + GATHER_LOST_S:
+                ranks, lost, lost_since = sorted(lost), [], None
+                if self.rank == 0:
+                    self._broadcast({"lost": ranks})
+                    for failed in list(self._acks):
+                        for rank in ranks:
+                            self._ack(failed, rank)
+                self._lost(ranks)
+        selector.close()
+
+    def _failed(self, rank: int, reason: str) -> None:
+        self._report(f"Rank {rank} stopped first, with: {reason}",
+                     f"rank {rank} failed first: {reason}", lost=False)
+        if self.rank == 0:
+            self._relay(rank, reason)
+        else:
+            self._write(self._hub, {"ack": rank})
+
+    def _relay(self, rank: int, reason: str) -> None:
+        """Rank 0: ``rank``'s failure to every other rank, and wait for their acks."""
+        self._acks[rank] = {r for r in self._peers.values() if r != rank}
+        self._broadcast({"fail": reason, "rank": rank}, skip=rank)
+        self._ack(rank, 0)
+
+    def _ack(self, failed: int, rank: int) -> None:
+        waiting = self._acks.get(failed)
+        if waiting is None:
+            return
+        waiting.discard(rank)
+        if not waiting and self._acks.pop(failed, None) is not None:
+            if failed == 0:
+                self._acked.set()
+            else:
+                self._broadcast({"acked": True}, skip=None, only=failed)
+
+    def _lost(self, ranks: list[int]) -> None:
+        hosts = sorted({self.hosts[r] for r in ranks})
+        where = (f"on host {hosts[0]}" if len(hosts) == 1
+                 else "on hosts " + ", ".join(hosts))
+        text = (f"rank(s) {_ranks(ranks)} {where} ended without a word (killed, out of memory, "
+                "or their node failed)")
+        self._report(f"Lost {text}.", f"lost {text}", lost=True)
+
+    def _report(self, text: str, culprit: str, lost: bool) -> None:
+        if self._closing:
+            return
+        first = not self._reported
+        self._reported = True
+        self._on_failure(text, culprit, lost, first)
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

@@ -8,16 +8,20 @@ and ``Win.Allocate_shared``). An allreduce goes in chunks of at most half a wind
 2. **reduce-scatter inside the node by direct loads**: rank ``i`` of ``k`` reduces slice ``i``
    from every rank's data with the native one-pass kernel (``_native.reduce_slices``:
    pre-scale, the op, post-scale). With one node it writes the result straight into every
-   rank's data (the push that replaces an allgather); with several nodes it writes its own
-   copy, **allreduces the slice across nodes** with MPI over the ranks of the same local rank
-   (one ``Comm.Split`` communicator), post-scales and pushes it to every rank of the node;
+   rank's data (the push that replaces an allgather). With several nodes that hold as many
+   ranks each, it writes its own copy, **allreduces the slice across nodes** with MPI over the
+   ranks of the same local rank (one ``Comm.Split`` communicator), post-scales and pushes it
+   to every rank of the node. When nodes hold different numbers of ranks (``srun -N 2 -n 3``),
+   slices cannot pair up across nodes: every rank writes its reduced slice into the data of
+   the node's leader (local rank 0), the leaders **allreduce the node's whole sum** across
+   nodes with MPI, and every rank copies the result out of the leader's data, post-scaled;
 3. every rank arrives again; a rank that staged copies the other slices out into its buffer.
 
 A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
 sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
 are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once when the engine's
 alarm (handed over at each negotiation) says a peer failed, and yields its core meanwhile.
-After the second arrival no rank touches another's segment for this chunk, so the window is
+After the last arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 
 Every rank's segment is ``HOROVOD_FUSION_THRESHOLD`` bytes: a staging half, and a half from
@@ -146,7 +150,7 @@ class NodeWindow:
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self.global_ranks = global_ranks
         self.timeout_s = timeout_s
-        half = max(ALIGN, data_bytes // 2 // 4096 * 4096)
+        half = max(4096, data_bytes // 2 // 4096 * 4096)  # a page each, whatever the threshold
         self.staging_bytes = half
         self.data_bytes = 2 * half
         ctrl_bytes = -(-self.size * ALIGN // 4096) * 4096
@@ -288,14 +292,29 @@ class HierarchicalBackend(MpiBackend):
 
     name = "hierarchical"
 
-    def __init__(self, comm: MPI.Comm, node: MPI.Comm, cross: MPI.Comm, window_bytes: int,
-                 timeout_s: float):
+    def __init__(self, comm: MPI.Comm, node: MPI.Comm, window_bytes: int, timeout_s: float):
+        """Collective over ``comm``, whose ranks ``node`` splits into nodes (ranks that share
+        memory); the backend owns both communicators from now on."""
         super().__init__(comm)
-        self.node, self.cross = node, cross
+        self.node = node
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        self.cross_size = cross.Get_size()
+        sizes = comm.allgather((self.local_rank, self.local_size))
+        self.cross_size = sum(1 for local_rank, _ in sizes if local_rank == 0)
+        #: every node holds as many ranks: the ranks of one local rank reduce their slice across
+        #: nodes; otherwise the nodes' leaders (local rank 0) reduce the node's whole sum
+        self.by_slice = len({size for _, size in sizes}) == 1
+        if self.by_slice:
+            self.cross = comm.Split(color=self.local_rank, key=self.rank)
+        else:
+            leader = self.local_rank == 0
+            self.cross = comm.Split(color=0 if leader else MPI.UNDEFINED, key=self.rank)
         self.window_bytes, self.timeout_s = window_bytes, timeout_s
-        self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
+        try:
+            self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
+        except BaseException:
+            if self.cross != MPI.COMM_NULL:
+                self.cross.Free()
+            raise
 
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         """:meth:`MpiBackend.negotiate`; the window's waits for peers of the cycle it starts
@@ -341,8 +360,12 @@ class HierarchicalBackend(MpiBackend):
                     a, b = slice_bounds(n, dtype.itemsize, k, q)
                     stage[a:b] = src[a:b]
         win.arrive(offset, "allreduce: data ready")
+        offsets = win.offsets
+        if self.cross_size > 1 and not self.by_slice:
+            self._through_leader(src, out, op, pre, post, lo, hi)
+            win.arrive(offset, "allreduce: results read")
+            return
         if lo < hi:
-            offsets = win.offsets
             inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
                       for q in range(k)]
             peers = [win.data(q, int(offsets[q]), lo, hi, dtype) for q in range(k) if q != me]
@@ -359,6 +382,26 @@ class HierarchicalBackend(MpiBackend):
                 if q != me:
                     a, b = slice_bounds(n, dtype.itemsize, k, q)
                     out[a:b] = stage[a:b]
+
+    def _through_leader(self, src: np.ndarray, out: np.ndarray, op: int, pre: float,
+                        post: float, lo: int, hi: int) -> None:
+        """The cross-node stage when nodes hold different numbers of ranks: every rank reduces
+        its slice into the leader's data (local rank 0's, in the window), the leader
+        allreduces that whole node sum with the other nodes' leaders, and every rank copies
+        the result out of the leader's data, post-scaled. The caller's next arrival tells the
+        leader its data has been read."""
+        win, me, dtype, n = self.window, self.local_rank, out.dtype, out.size
+        offsets = win.offsets
+        total = win.data(0, int(offsets[0]), 0, n, dtype)
+        if lo < hi:
+            inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
+                      for q in range(self.local_size)]
+            _native.reduce_slices(inputs, [total[lo:hi]], op, pre, 1.0)
+        win.arrive(int(offsets[me]), "allreduce: node reduced")
+        if me == 0:
+            self._mpi_allreduce(self.cross, total, op)
+        win.arrive(int(offsets[me]), "allreduce: nodes reduced")
+        _native.reduce_slices([total], [out], op, 1.0, post)
 
     # -- process sets and lifetime -----------------------------------------------------------------
     def sub(self, ranks) -> MpiBackend | None:
@@ -395,32 +438,21 @@ def _supported(dtype: np.dtype, op: int) -> bool:
 
 def create(comm: MPI.Comm, window_bytes: int, timeout_s: float) -> MpiBackend:
     """Collective over ``comm`` (which the backend owns from now on): a
-    :class:`HierarchicalBackend`, or a plain :class:`MpiBackend` when every node holds one rank
-    of ``comm`` (plain MPI is then all there is to do).
+    :class:`HierarchicalBackend` over the nodes MPI sees (``COMM_TYPE_SHARED``), or a plain
+    :class:`MpiBackend` when every node holds one rank of ``comm`` (plain MPI is then all
+    there is to do). Any number of ranks per node.
 
-    Raises SharedMemoryError when the window cannot be made, and ValueError when nodes hold
-    different numbers of ranks (the cross-node stage pairs the ranks of equal local rank)."""
+    Raises SharedMemoryError when the window cannot be made."""
     if _native is None:
         raise SharedMemoryError(
             "the hierarchical allreduce needs hpc_horovod's native extension (reinstall with an "
             f"MPI compiler wrapper, mpicc, on the PATH) or {SWITCH_OFF}")
-    rank = comm.Get_rank()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    sizes = comm.allgather(node.Get_size())
-    if max(sizes) == 1:
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    if max(comm.allgather(node.Get_size())) == 1:
         node.Free()
         return MpiBackend(comm)
-    if len(set(sizes)) > 1:
-        node.Free()
-        counts = sorted(set(sizes))
-        raise ValueError(
-            f"the hierarchical allreduce needs the same number of ranks on every node, but "
-            f"nodes hold {', '.join(map(str, counts))} ranks of this set: launch an equal "
-            f"number per node (srun --ntasks-per-node) or set {SWITCH_OFF}")
-    cross = comm.Split(color=node.Get_rank(), key=rank)
     try:
-        return HierarchicalBackend(comm, node, cross, window_bytes, timeout_s)
+        return HierarchicalBackend(comm, node, window_bytes, timeout_s)
     except BaseException:
         node.Free()
-        cross.Free()
         raise

@@ -120,13 +120,16 @@ def test_out_of_place(flat, hier):
     assert np.array_equal(x, _values(np.float32, 300_001, 11)), "the input changed"
 
 
-def test_chunks_of_a_small_window(flat):
-    """Tensors many times the staging half go in chunks."""
-    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0)
+@pytest.mark.parametrize("window", [64 << 10, 1024, 0], ids=["64k", "1k", "0"])
+def test_chunks_of_a_small_window(flat, window):
+    """Tensors many times the staging half go in chunks; a window below a page (a small
+    HOROVOD_FUSION_THRESHOLD, or 0) still gets a page per half."""
+    small = hierarchical.create(WORLD.Dup(), window, 30.0)
     try:
         for count in (8191, 8192, 100_001):
-            a, b = _both(flat, small, _values(np.int32, count, 5), Sum)
-            assert a.tobytes() == b.tobytes(), count
+            for dtype in (np.int32, np.int64):
+                a, b = _both(flat, small, _values(dtype, count, 5), Sum)
+                assert a.tobytes() == b.tobytes(), (count, dtype)
     finally:
         small.close()
 
@@ -146,29 +149,49 @@ def test_bucket_memory_in_place(flat, hier):
     assert hier.bucket_memory(1 << 40) is None
 
 
-def test_cross_stage(flat):
-    """Ranks in groups ("nodes") that allreduce each slice across groups with MPI: the groups
-    share this host's memory, so the window is real; only the split is chosen here."""
-    nodes = 3 if SIZE == 3 else 2
-    per = SIZE // nodes
-    comm = WORLD.Dup()
-    node = comm.Split(color=RANK // per, key=RANK)
-    cross = comm.Split(color=node.Get_rank(), key=RANK)
-    backend = hierarchical.HierarchicalBackend(comm, node, cross, 256 << 10, 30.0)
-    try:
-        assert backend.cross_size == nodes and backend.local_size == per
-        for dtype, op in ((np.int32, Sum), (np.uint8, Sum), (np.int16, Max), (np.int64, Product)):
-            for count in (1, 77, 70_001):
-                a, b = _both(flat, backend, _values(dtype, count, count), op)
-                assert a.tobytes() == b.tobytes(), (dtype, op, count)
-        x = _values(np.float32, 50_000, 2)
-        a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)
-        np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)
-        x = (np.arange(1001) % 9 + RANK).astype(np.float16)
-        a, b = _both(flat, backend, x, Sum)
-        assert a.tobytes() == b.tobytes()
-    finally:
-        backend.close()
+#: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal
+LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 2, 1)],
+           5: [(3, 2), (2, 3), (2, 2, 1)]}
+
+
+def test_layouts_bit_identical_to_flat(flat):
+    """Ranks in groups ("nodes") of any sizes: the groups share this host's memory, so the
+    window is real; only the split is chosen here. Equal groups reduce each slice across groups,
+    unequal ones go through each group's leader; integers match flat MPI bit for bit."""
+    for layout in LAYOUTS[SIZE]:
+        node_of = [g for g, n in enumerate(layout) for _ in range(n)]
+        comm = WORLD.Dup()
+        node = comm.Split(color=node_of[RANK], key=RANK)
+        backend = hierarchical.HierarchicalBackend(comm, node, 256 << 10, 30.0)
+        try:
+            assert backend.cross_size == len(layout), layout
+            assert backend.local_size == layout[node_of[RANK]], layout
+            assert backend.by_slice == (len(set(layout)) == 1), layout
+            for dtype, op in ((np.int32, Sum), (np.uint8, Sum), (np.int16, Max),
+                              (np.int64, Product), (np.int8, Min)):
+                for count in (1, 77, 70_001):
+                    a, b = _both(flat, backend, _values(dtype, count, count), op)
+                    assert a.tobytes() == b.tobytes(), (layout, dtype, op, count)
+            x = _values(np.int32, 50_000, 4) // 4
+            a, b = np.empty_like(x), np.full_like(x, -1)
+            flat.allreduce(a, Sum, send=x, postscale=1.0 / SIZE)
+            backend.allreduce(b, Sum, send=x, postscale=1.0 / SIZE)
+            assert a.tobytes() == b.tobytes(), layout
+            x = x[:20_000].copy()  # within the window's half that holds buckets
+            memory = backend.bucket_memory(x.nbytes).view(np.int32)
+            memory[...] = x
+            flat.allreduce(x, Sum)
+            backend.allreduce(memory, Sum)
+            assert memory.tobytes() == x.tobytes(), layout
+            x = _values(np.float32, 50_000, 2)
+            a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)
+            np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)
+            x = (np.arange(1001) % 9 + RANK).astype(np.float16)
+            a, b = _both(flat, backend, x, Sum)
+            assert a.tobytes() == b.tobytes(), layout
+            del memory
+        finally:
+            backend.close()
 
 
 def test_process_set(flat, hier):

@@ -33,10 +33,12 @@ _IDS = _check_ids()
 _runs: dict[int, dict[str, list[str]]] = {}
 
 
-def _run(n: int, tmp: Path) -> dict[str, list[str]]:
-    """Every check's failures on the ranks of one ``mpirun -np n`` (empty: passed everywhere)."""
+def _run(n: int, tmp: Path, select: str = "") -> dict[str, list[str]]:
+    """Every check's failures on the ranks of one ``mpirun -np n`` (empty: passed everywhere),
+    of the checks ``select`` names (pytest's ``-k``; empty: all)."""
     if n not in _runs:
         program = (f"exec {sys.executable} -m pytest -q -p no:cacheprovider {CHECKS} "
+                   f"{'-k ' + select if select else ''} "
                    f"--junitxml={tmp}/rank-$OMPI_COMM_WORLD_RANK.xml")
         proc = subprocess.run(["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none",
                                "sh", "-c", program], capture_output=True, text=True,
@@ -64,6 +66,16 @@ def test_check(ranks, check, tmp_path_factory):
     outcomes = _run(ranks, tmp_path_factory.mktemp(f"np{ranks}"))
     assert "<report>" not in outcomes, outcomes["<report>"][0]
     assert check in outcomes, f"{check} did not run under mpirun -np {ranks}"
+    assert outcomes[check] == [], "\n".join(outcomes[check])
+
+
+@pytest.mark.mpi
+def test_layouts_at_five_ranks(tmp_path_factory):
+    """3 + 2, 2 + 3 and 2 + 2 + 1 ranks per node (only the layout check runs at 5)."""
+    check = "test_layouts_bit_identical_to_flat"
+    outcomes = _run(5, tmp_path_factory.mktemp("np5"), select=check)
+    assert "<report>" not in outcomes, outcomes["<report>"][0]
+    assert check in outcomes, f"{check} did not run under mpirun -np 5"
     assert outcomes[check] == [], "\n".join(outcomes[check])
 
 

@@ -1,7 +1,8 @@
 """Host buffers in stages, as NCCL inside a node and Horovod's hierarchical allreduce across nodes.
 
 The ranks of one node share memory through MPI itself (``Comm.Split_type(COMM_TYPE_SHARED)``
-and ``Win.Allocate_shared``). An allreduce goes in chunks of at most half a window; for each:
+and ``Win.Allocate_shared``). An allreduce of :data:`MPI_BELOW_BYTES` or more goes in chunks of
+at most half a window (a smaller one is MPI's own ``Allreduce``, faster there); for each:
 
 1. every rank publishes where its data lies in its segment of the window (a bucket laid out
    in the window already, or a staging area it copies the chunk into), then arrives;
@@ -34,6 +35,7 @@ exits, since views of it (``p.grad``) may still be alive.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -52,11 +54,18 @@ try:
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
+log = logging.getLogger("hpc_horovod")
+
 ALIGN = 64  # slice bounds and handed-out memory on cache lines
 _LINE = ALIGN // 8  # int64s per control line
 #: windows given up by free() while views of them may live: mapped until the process exits
 _retained: list = []
 SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
+#: Allreduces of fewer bytes go to MPI's own ``Allreduce`` over the whole set: below this size
+#: the stages' fixed cost (two arrivals per chunk, each rank's Python passes, peers waiting on
+#: the slowest) outweighs the copies they save. Measured with ``benchmarks/allreduce.py``
+#: (see benchmarks/RESULTS.md); an algorithm chosen by size, as NCCL chooses its own.
+MPI_BELOW_BYTES = 2 << 20
 
 
 def _address(a: np.ndarray) -> int:
@@ -270,11 +279,22 @@ class NodeWindow:
 
     def close(self) -> None:
         """Collective over the node: free the window, unless a rank still has views of it
-        (then every rank retires it)."""
+        (then every rank retires it). The ranks agree through one more arrival, bounded by the
+        peer timeout like every other: a rank that does not come is named in a warning, and
+        the window retired instead (the late rank then finds this one absent, and does so
+        too)."""
         if self.win is None:
             return
-        busy = self.node.allreduce(self.in_use(), op=MPI.LOR)
-        if busy:
+        try:
+            self.arrive(int(self.in_use()), "closing the window")
+        except HorovodInternalError as exc:
+            self.ctrl[self.rank * _LINE] = -1  # not here: a late peer must not go on to free
+            self.win.Sync()
+            log.warning("rank %d: the node's shared window stays mapped until exit: %s",
+                        self.global_ranks[self.rank], exc)
+            self.retire()
+            return
+        if self.offsets.max() > 0:  # some rank still views memory of it
             self.retire()
             return
         self.win.Unlock_all()
@@ -292,10 +312,13 @@ class HierarchicalBackend(MpiBackend):
 
     name = "hierarchical"
 
-    def __init__(self, comm: MPI.Comm, node: MPI.Comm, window_bytes: int, timeout_s: float):
+    def __init__(self, comm: MPI.Comm, node: MPI.Comm, window_bytes: int, timeout_s: float,
+                 mpi_below_bytes: int = MPI_BELOW_BYTES):
         """Collective over ``comm``, whose ranks ``node`` splits into nodes (ranks that share
-        memory); the backend owns both communicators from now on."""
+        memory); the backend owns both communicators from now on. Allreduces of fewer than
+        ``mpi_below_bytes`` go to MPI's ``Allreduce``."""
         super().__init__(comm)
+        self.mpi_below_bytes = mpi_below_bytes
         self.node = node
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         sizes = comm.allgather((self.local_rank, self.local_size))
@@ -335,6 +358,9 @@ class HierarchicalBackend(MpiBackend):
             raise ValueError(f"{self.name} does not support allreduce {OP_NAMES.get(op, op)} of "
                              f"{out.dtype}")
         if out.size == 0:
+            return
+        if out.nbytes < self.mpi_below_bytes:
+            MpiBackend.allreduce(self, buf, op, send, prescale, postscale)
             return
         src = out if send is None else send.reshape(-1)
         win = self.window
@@ -408,7 +434,8 @@ class HierarchicalBackend(MpiBackend):
         """Collective over this set: a backend for ``ranks`` (None on non-members), staged as
         this one."""
         comm = self._sub_comm(ranks)
-        return None if comm is None else create(comm, self.window_bytes, self.timeout_s)
+        return None if comm is None else create(comm, self.window_bytes, self.timeout_s,
+                                                self.mpi_below_bytes)
 
     def free(self) -> None:
         """Locally: keep the window mapped (see :meth:`NodeWindow.retire`), free the
@@ -436,7 +463,8 @@ def _supported(dtype: np.dtype, op: int) -> bool:
     return op in (Sum, Min, Max, Product) and dtype.kind in "iuf"
 
 
-def create(comm: MPI.Comm, window_bytes: int, timeout_s: float) -> MpiBackend:
+def create(comm: MPI.Comm, window_bytes: int, timeout_s: float,
+           mpi_below_bytes: int = MPI_BELOW_BYTES) -> MpiBackend:
     """Collective over ``comm`` (which the backend owns from now on): a
     :class:`HierarchicalBackend` over the nodes MPI sees (``COMM_TYPE_SHARED``), or a plain
     :class:`MpiBackend` when every node holds one rank of ``comm`` (plain MPI is then all
@@ -452,7 +480,7 @@ def create(comm: MPI.Comm, window_bytes: int, timeout_s: float) -> MpiBackend:
         node.Free()
         return MpiBackend(comm)
     try:
-        return HierarchicalBackend(comm, node, window_bytes, timeout_s)
+        return HierarchicalBackend(comm, node, window_bytes, timeout_s, mpi_below_bytes)
     except BaseException:
         node.Free()
         raise

@@ -8,6 +8,7 @@ bit-identical, float results equal within one rounding per reduction step."""
 from __future__ import annotations
 
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -35,7 +36,7 @@ def flat():
 
 @pytest.fixture(scope="module")
 def hier():
-    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0)
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0, mpi_below_bytes=0)
     yield backend
     backend.close()
 
@@ -60,6 +61,21 @@ def _ulps(dtype) -> float:
     """One rounding per reduction step, relative: SIZE - 1 steps of the dtype's epsilon."""
     eps = float(ml_dtypes.finfo(dtype).eps)
     return 4 * SIZE * eps
+
+
+def test_small_messages_go_to_mpi(flat):
+    """Below ``mpi_below_bytes`` no arrival happens in the window (MPI's Allreduce); at it, the
+    stages run; both equal flat MPI."""
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0, mpi_below_bytes=4096)
+    try:
+        for count, staged in ((1023, False), (1024, True), (5000, True)):
+            seq = backend.window.seq
+            a, b = _both(flat, backend, _values(np.int32, count, 3), Sum, post=1.0 / SIZE)
+            assert a.tobytes() == b.tobytes(), count
+            assert (backend.window.seq > seq) == staged, count
+    finally:
+        backend.close()
+    assert hierarchical.MPI_BELOW_BYTES > 0
 
 
 def test_single_host_is_hierarchical(hier):
@@ -124,7 +140,7 @@ def test_out_of_place(flat, hier):
 def test_chunks_of_a_small_window(flat, window):
     """Tensors many times the staging half go in chunks; a window below a page (a small
     HOROVOD_FUSION_THRESHOLD, or 0) still gets a page per half."""
-    small = hierarchical.create(WORLD.Dup(), window, 30.0)
+    small = hierarchical.create(WORLD.Dup(), window, 30.0, mpi_below_bytes=0)
     try:
         for count in (8191, 8192, 100_001):
             for dtype in (np.int32, np.int64):
@@ -162,7 +178,8 @@ def test_layouts_bit_identical_to_flat(flat):
         node_of = [g for g, n in enumerate(layout) for _ in range(n)]
         comm = WORLD.Dup()
         node = comm.Split(color=node_of[RANK], key=RANK)
-        backend = hierarchical.HierarchicalBackend(comm, node, 256 << 10, 30.0)
+        backend = hierarchical.HierarchicalBackend(comm, node, 256 << 10, 30.0,
+                                                   mpi_below_bytes=0)
         try:
             assert backend.cross_size == len(layout), layout
             assert backend.local_size == layout[node_of[RANK]], layout
@@ -244,3 +261,21 @@ def test_close_keeps_memory_with_live_views():
     retained = len(hierarchical._retained)
     freed.close()  # no view left on any rank: freed collectively
     assert len(hierarchical._retained) == retained
+
+
+def test_close_without_a_peer_gives_up_naming_it(caplog):
+    """A rank that does not come to close within the peer timeout is named, and the window
+    retired: nobody hangs, and the late rank, finding the others gone, retires it too."""
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 2.0)
+    late = SIZE - 1
+    with caplog.at_level("WARNING", logger="hpc_horovod"):
+        if RANK != late:
+            backend.close()
+        WORLD.Barrier()
+        if RANK == late:
+            backend.close()
+    assert backend.window.win is None
+    named = re.search(r"rank\(s\) ([\d, ]+) did not arrive", caplog.text)
+    assert named, caplog.text
+    absent = {int(r) for r in named.group(1).split(",")}
+    assert (absent == set(range(SIZE - 1))) if RANK == late else (late in absent), caplog.text

@@ -13,8 +13,9 @@ into it, so that backward accumulates straight into the bucket. A hook on each p
 gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
-A gradient that is not a view of its bucket (the first step, after ``zero_grad()`` set it to
-None, or when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
+``zero_grad()`` keeps them views (zeroed, whatever ``set_to_none`` says, as DDP's
+``gradient_as_bucket_view``); a gradient that is not a view of its bucket (the first step, or
+when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
 Sparse gradients are reduced one tensor at a time.
 """
 
@@ -352,11 +353,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._base_class.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``. With ``set_to_none=False`` the gradients stay
-        views of their buckets (nothing to copy in the next step)."""
+        """The wrapped optimizer's ``zero_grad``, except for the gradients of laid-out buckets:
+        those become zeroed views of their bucket whichever ``set_to_none`` says (each bucket
+        zeroed in one pass), as DDP's ``gradient_as_bucket_view`` does, so that backward
+        accumulates straight into the bucket and nothing is copied in at the next step. A
+        gradient set to None instead would make autograd allocate a new tensor, copied into
+        the bucket when it is reduced."""
         if self._handles or self._accumulating:
             raise AssertionError(_ZERO_GRAD_RACE)
-        return self._base_class.zero_grad(self, set_to_none)
+        viewed = set()
+        for bucket in self._buckets:
+            if bucket.flat is None:
+                continue
+            bucket.flat.zero_()
+            sparse = {id(p) for p, _ in bucket.densified}  # handed back sparse: not a view
+            for p, view in zip(bucket.params, bucket.views):
+                if id(p) not in sparse:
+                    p.grad = view
+                    viewed.add(p)
+        if not viewed:
+            return self._base_class.zero_grad(self, set_to_none)
+        others = [(group, group["params"]) for group in self.param_groups]
+        try:
+            for group, params in others:
+                group["params"] = [p for p in params if p not in viewed]
+            return self._base_class.zero_grad(self, set_to_none)
+        finally:
+            for group, params in others:
+                group["params"] = params
 
     def load_state_dict(self, state_dict) -> None:
         self._handles = {}

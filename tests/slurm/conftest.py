@@ -1,16 +1,23 @@
-"""A real SLURM for the tests: munged + slurmctld + two slurmd ("nodes" n1 and n2) on loopback.
+"""A real SLURM for the tests: munged and slurmctld in this namespace, and one slurmd on each of
+two hosts, ``h1`` and ``h2``: network namespaces with their own hostname and address on a
+private bridge (hosts.py).
 
 Nothing is installed and nothing global is touched: the cluster lives in a temporary directory
 with its own ``slurm.conf`` (clients find it through ``SLURM_CONF``), its own munge key and socket
-(``AuthInfo=socket=...``: a system munged and /etc/munge are neither needed nor touched), ports
-picked free at start, and pid files through which only the daemons started here are stopped.
-Both nodes run on this host: they share its hostname, so a TaskProlog makes Open MPI use TCP
-between ranks (its shared-memory transport keys on the hostname). Each node advertises two fake
-GPUs, device files standing in for ``/dev/nvidia*`` (there is no GPU here; they carry /dev/null's
-device numbers), so that SLURM's own ``--gres=gpu`` bookkeeping and the ``CUDA_VISIBLE_DEVICES``
-it sets are real.
+(``AuthInfo=socket=...``: a system munged and /etc/munge are neither needed nor touched), a
+slurmctld port picked free at start, and pid files through which only the daemons started here
+are stopped; whatever still runs on the hosts then is ended with them. Each slurmd listens on
+SLURM's default port at its host's own address. Since the hosts are distinct, Open MPI needs no
+tweak: its shared-memory transport joins the ranks of one host, TCP those of two. Each node
+advertises two fake GPUs, device files standing in for ``/dev/nvidia*`` (there is no GPU here;
+they carry /dev/null's device numbers), so that SLURM's own ``--gres=gpu`` bookkeeping and the
+``CUDA_VISIBLE_DEVICES`` it sets are real.
 
-The fixture skips the tests, with the reason, only when the SLURM or munge binaries are missing.
+The clients (``srun``, ``sbatch``, ...) run in this namespace and reach the daemons at their
+addresses on the bridge; a batch script runs on its first host, and its ``srun`` from there.
+
+The fixture skips the tests, with the reason, only when the SLURM, munge or namespace tools are
+missing or namespaces cannot be created (not root, no kernel support).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hosts import NamespaceError, Network, missing_tools
 
 ROOT = Path(__file__).resolve().parents[2]
-NODES = ("n1", "n2")
+#: the hosts, each its own network namespace; also their SLURM node names
+NODES = ("h1", "h2")
 CPUS_PER_NODE = 4
 GPUS_PER_NODE = 2
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -54,6 +63,7 @@ class SlurmCluster:
 
     root: Path
     conf: Path
+    network: Network
     pids: dict[str, Path] = field(default_factory=dict)
 
     def env(self, extra: dict | None = None) -> dict:
@@ -105,10 +115,7 @@ class SlurmCluster:
             time.sleep(0.3)
 
     def logs(self) -> str:
-        parts = []
-        for log in sorted(self.root.glob("log/*.log")):
-            parts.append(f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
-        return "\n".join(parts)
+        return _logs(self.root)
 
     def submit_and_wait(self, script: Path, timeout: float = 60, env: dict | None = None
                         ) -> tuple[int, dict[str, str]]:
@@ -123,8 +130,8 @@ class SlurmCluster:
         return int(record["ExitCode"].split(":")[0]), record
 
     def stop(self) -> None:
-        """Stop what this cluster started: its jobs, its daemons (by pid file), and any job-step
-        daemon (slurmstepd) of its slurmd that outlives them."""
+        """Stop what this cluster started: its jobs, its daemons (by pid file), then whatever
+        still runs on its hosts (job-step daemons, tasks) and the hosts themselves."""
         self._drain()
         pids = []
         for path in self.pids.values():
@@ -138,11 +145,12 @@ class SlurmCluster:
         while pids and time.monotonic() < deadline:
             pids = [pid for pid in pids if _alive(pid)]
             time.sleep(0.05)
-        for pid in pids + self._stray_stepds():
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.network.stop()
 
     def _drain(self, timeout: float = 15) -> None:
         """Cancel this cluster's jobs and wait (bounded) until no node is busy with one."""
@@ -162,20 +170,13 @@ class SlurmCluster:
                 return
             time.sleep(0.2)
 
-    def _stray_stepds(self) -> list[int]:
-        """slurmstepd processes spawned by this cluster's slurmd (their SLURM_CONF is ours)."""
-        mark = f"SLURM_CONF={self.conf}".encode()
-        found = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                if (proc / "cmdline").read_bytes().startswith(b"slurmstepd") and \
-                        mark in (proc / "environ").read_bytes().split(b"\0"):
-                    found.append(int(proc.name))
-            except OSError:
-                continue
-        return found
+
+def _logs(root: Path) -> str:
+    """The last lines of every daemon's log."""
+    parts = []
+    for log in sorted(root.glob("log/*.log")):
+        parts.append(f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
+    return "\n".join(parts)
 
 
 def _alive(pid: int) -> bool:
@@ -186,29 +187,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_config(root: Path, host: str) -> Path:
+def _write_config(root: Path, host: str, network: Network) -> Path:
     for sub in ("state", "log", "run", "dev", *(f"spool/{n}" for n in NODES),
                 *(f"tmp/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for i in range(GPUS_PER_NODE):
         # SLURM only accepts device nodes: give each fake GPU /dev/null's numbers.
         os.mknod(root / "dev" / f"nvidia{i}", stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    prolog = root / "task_prolog.sh"
-    prolog.write_text(textwrap.dedent("""\
-        #!/bin/sh
-        # Both fake nodes share one hostname: keep Open MPI off its shared-memory transport.
-        echo "export OMPI_MCA_btl=self,tcp"
-        """))
-    prolog.chmod(0o755)
     ctld_port = _free_port()
     node_lines = "\n".join(
-        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+        f"NodeName={h.name} NodeAddr={h.address} "
         f"CPUs={CPUS_PER_NODE} RealMemory=4000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
-        for n in NODES)
+        for h in network.hosts.values())
     conf = root / "slurm.conf"
     conf.write_text(textwrap.dedent(f"""\
         ClusterName=hvdtest
-        SlurmctldHost={host}(127.0.0.1)
+        SlurmctldHost={host}({network.gateway})
         SlurmctldPort={ctld_port}
         SlurmUser=root
         AuthType=auth/munge
@@ -218,7 +212,6 @@ def _write_config(root: Path, host: str) -> Path:
         MpiDefault=pmix
         ProctrackType=proctrack/linuxproc
         TaskPlugin=task/none
-        TaskProlog={prolog}
         SelectType=select/cons_tres
         SelectTypeParameters=CR_Core
         SlurmdParameters=config_overrides
@@ -247,16 +240,22 @@ def _start(cmd: list[str], env: dict, what: str, root: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30)
     if proc.returncode != 0:
         raise RuntimeError(f"could not start {what}: {proc.stdout}{proc.stderr}\n"
-                           + SlurmCluster(root, root / "slurm.conf").logs())
+                           + _logs(root))
 
 
 def start_cluster() -> SlurmCluster:
-    """Start munged, slurmctld and one slurmd per node; return once every node is idle."""
+    """Start the hosts, munged, slurmctld and one slurmd per host; return once every node is
+    idle. Raises NamespaceError when the hosts cannot be created."""
     root = Path(tempfile.mkdtemp(prefix="hvd-slurm-"))
     root.chmod(0o755)
-    host = socket.gethostname()
-    conf = _write_config(root, host)
-    cluster = SlurmCluster(root, conf)
+    network = Network(NODES, root)
+    try:
+        network.start(socket.gethostname())
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    conf = _write_config(root, socket.gethostname(), network)
+    cluster = SlurmCluster(root, conf, network)
     munge_dir = root / "munge"
     munge_dir.mkdir(mode=0o755)
     key = root / "munge.key"
@@ -270,9 +269,11 @@ def start_cluster() -> SlurmCluster:
                 f"--seed-file={munge_dir}/munged.seed"], env, "munged", root)
         cluster.pids["slurmctld"] = root / "run" / "slurmctld.pid"
         _start(["slurmctld", "-f", str(conf)], env, "slurmctld", root)
-        for node in NODES:
-            cluster.pids[f"slurmd-{node}"] = root / "run" / f"slurmd-{node}.pid"
-            _start(["slurmd", "-f", str(conf), "-N", node], env, f"slurmd {node}", root)
+        for host in network.hosts.values():
+            # no -N: slurmd finds its node by the host's own name
+            cluster.pids[f"slurmd-{host.name}"] = root / "run" / f"slurmd-{host.name}.pid"
+            _start([*host.enter(), "slurmd", "-f", str(conf)], env, f"slurmd on {host.name}",
+                   root)
         deadline = time.monotonic() + 30
         while True:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
@@ -285,7 +286,12 @@ def start_cluster() -> SlurmCluster:
             time.sleep(0.2)
     except BaseException:
         cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
         raise
+
+
+def _interrupt_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="session")
@@ -294,9 +300,22 @@ def slurm():
     if missing:
         pytest.skip(f"SLURM/munge binaries not installed: {', '.join(missing)} "
                     "(`make sysdeps` installs slurmctld slurmd slurm-client munge)")
-    cluster = start_cluster()
+    if missing_tools():
+        pytest.skip(f"namespace tools not installed: {', '.join(missing_tools())} "
+                    "(iproute2, util-linux)")
+    # A SIGTERM to pytest (a CI timeout) then ends the session through its teardown, which
+    # stops the daemons and removes the hosts, instead of leaving them behind.
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     try:
-        yield cluster
+        try:
+            cluster = start_cluster()
+        except NamespaceError as exc:
+            pytest.skip(f"cannot create the test cluster's hosts (network namespaces, "
+                        f"needs root): {exc}")
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+            shutil.rmtree(cluster.root, ignore_errors=True)
     finally:
-        cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)

@@ -2,8 +2,9 @@
 a rank killed mid-training, requeue on SIGUSR2, ``srun hpc-horovod doctor``, and what sbatch
 itself makes of the options and times ``hpc-horovod sbatch`` accepts.
 
-The two "nodes" run on this host; their GPUs are fake device files (there is no GPU here), so
-only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is exercised with them.
+The two hosts are network namespaces of this machine; their GPUs are fake device files (there is
+no GPU here), so only SLURM's own GPU bookkeeping (``--gres``, ``CUDA_VISIBLE_DEVICES``) is
+exercised with them.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def test_doctor_reports_every_rank(slurm):
     assert lines[0].startswith("hpc_horovod doctor: slurm launch, 4 process(es) on 2 node(s)")
     rows = [line.split() for line in lines[2:6]]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]
-    assert [r[2] for r in rows] == ["n1", "n1", "n2", "n2"]
+    assert [r[2] for r in rows] == ["h1", "h1", "h2", "h2"]
     assert [r[3] for r in rows] == ["0/2", "1/2", "0/2", "1/2"]
     assert [r[4] for r in rows] == ["0/2", "0/2", "1/2", "1/2"]
     assert all(r[5] == "0,1" for r in rows), rows
@@ -187,7 +188,7 @@ def test_doctor_flags_gpu_mistakes(slurm):
     shared = _doctor(slurm, "-N", "1", "-n", "2", "--gres=gpu:1")
     assert shared.returncode == 1, shared.stdout + shared.stderr
     # a one-node job lands on either node of the test cluster
-    assert re.search(r"2 tasks on n[12] share 1 GPU\(s\)", shared.stdout), shared.stdout
+    assert re.search(r"2 tasks on h[12] share 1 GPU\(s\)", shared.stdout), shared.stdout
     assert "verdict: NOT READY" in shared.stdout
 
     per_task = _doctor(slurm, "-N", "1", "-n", "2", "--gres=gpu:2", "--gpus-per-task=1")
@@ -242,7 +243,7 @@ def test_slurm_spellings_pass_sbatch_test_only(slurm, tmp_path):
                      check=True)
     assert proc.stdout == "" and "the tasks run python as" in proc.stderr
     test = slurm.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path)
-    assert test.returncode == 0 and "to start at" in test.stderr and "n[1-2]" in test.stderr, \
+    assert test.returncode == 0 and "to start at" in test.stderr and "h[1-2]" in test.stderr, \
         test.stderr
     # a GPU job takes every GPU of the node type by default: the test nodes have 2
     gpus = render_job(["python", "t.py"], cluster="generic", nodes=2, gpus_per_node=2,

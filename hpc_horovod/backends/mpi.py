@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .base import Backend
+from .scaling import scale_inplace, scale_into
 from .waiting import RequestWaiter
 
 try:
@@ -90,20 +91,34 @@ class MpiBackend(Backend):
         return out
 
     # -- data ------------------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None) -> None:
-        """In place, or from ``send`` (same shape and dtype) into ``buf``."""
+    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None,
+                  prescale: float = 1.0, postscale: float = 1.0) -> None:
+        """In place, or from ``send`` (same shape and dtype) into ``buf``; ``prescale`` is
+        applied around the MPI call (into ``buf`` first when there is a ``send``),
+        ``postscale`` after it."""
+        if prescale != 1.0:
+            scale_into(buf if send is None else send, prescale, buf)
+            send = None
+        self._mpi_allreduce(self.comm, buf, op, send)
+        scale_inplace(buf, postscale)
+
+    @staticmethod
+    def _mpi_allreduce(comm: MPI.Comm, buf: np.ndarray, op: int,
+                       send: np.ndarray | None = None) -> None:
+        """``MPI_Allreduce`` over ``comm``, with what Open MPI does not do right by itself:
+        16-bit float sums (the native op) and wrapping sums of 8- and 16-bit integers."""
         source = MPI.IN_PLACE if send is None else send.reshape(-1)
         if buf.dtype in HALF_DTYPES:
-            self.comm.Allreduce(source if send is None else _halves(send), _halves(buf),
-                                op=_half_sum(buf.dtype, op))
+            comm.Allreduce(source if send is None else _halves(send), _halves(buf),
+                           op=_half_sum(buf.dtype, op))
             return
         if _wraps_badly(buf.dtype, op):
             wide = (buf if send is None else send).astype(np.int64)
-            self.comm.Allreduce(MPI.IN_PLACE, wide.reshape(-1), op=_OPS[op])
+            comm.Allreduce(MPI.IN_PLACE, wide.reshape(-1), op=_OPS[op])
             buf[...] = wide.astype(buf.dtype)  # modulo 2**bits, as the narrow sum would
             return
         mpi_op = _BOOL_OPS[op] if buf.dtype == np.bool_ else _OPS[op]
-        self.comm.Allreduce(source, buf.reshape(-1), op=mpi_op)
+        comm.Allreduce(source, buf.reshape(-1), op=mpi_op)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         item = send.dtype.itemsize

@@ -1,8 +1,9 @@
 """NCCL backend (``cupy.cuda.nccl``): device buffers on a dedicated CUDA stream.
 
-:class:`NcclBackend` is an :class:`~hpc_horovod.backends.mpi.MpiBackend` whose data methods take
-device (cupy) buffers too: negotiation and every host (numpy) buffer go over its MPI
-communicator, device buffers over an NCCL communicator of the same ranks. That communicator is
+:class:`NcclBackend` moves device (cupy) buffers over an NCCL communicator; it is an
+:class:`~hpc_horovod.backends.mpi.MpiBackend` for its small host collectives (the NCCL id, the
+hierarchical stage's communicators). Host buffers and the negotiation go to the host backend,
+which :class:`~hpc_horovod.backends.routed.RoutedBackend` pairs it with. The NCCL communicator is
 created at the first device collective from a unique id made on rank 0 and broadcast over MPI;
 the engine reaches that point in the same order on every rank, as ncclCommInitRank requires.
 
@@ -13,8 +14,9 @@ wait for it (:meth:`NcclBackend.wait_for`), and after the collective the consume
 :meth:`NcclBackend.done_event`: no host or device-wide synchronization.
 
 Failures: a collective whose peer died never ends on the device, and nothing on the host waits
-for it. So the backend asks NCCL for asynchronous errors at every negotiation and while waiting
-for it (:meth:`NcclBackend.negotiate`), and the engine, once it stops on an error, aborts every
+for it. So the negotiation asks NCCL for asynchronous errors before it starts and while it waits
+for peers (:meth:`NcclBackend.check_async_error`, polled by ``RoutedBackend.negotiate``), and
+the engine, once it stops on an error, aborts every
 NCCL communicator (:meth:`NcclBackend.abort`), which ends their kernels: the training thread's
 next CUDA synchronization returns and its next op raises the engine's error.
 
@@ -31,7 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-from mpi4py import MPI
 
 from ..common.errors import HorovodInternalError
 from ..common.gpu_probe import cuda_runtime_version, nccl_package
@@ -43,7 +44,6 @@ from ..common.gpu_stream import (
     pin_thread,
 )
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum, bfloat16
-from . import waiting
 from .mpi import MpiBackend, _wraps_badly
 
 log = logging.getLogger("hpc_horovod")
@@ -325,25 +325,6 @@ def _device_array(array) -> None:
         raise ValueError("NCCL collectives need C-contiguous device buffers")
 
 
-class _Watched:
-    """An MPI request whose every ``Test`` first runs ``check`` (NCCL's asynchronous error
-    check), so that waiting for peers also watches the device work in flight."""
-
-    __slots__ = ("_req", "_check")
-
-    def __init__(self, req, check: Callable[[], None]):
-        self._req, self._check = req, check
-
-    def Test(self) -> bool:  # noqa: N802 - the mpi4py name RequestWaiter calls
-        try:
-            self._check()
-        except BaseException:
-            # MPI may still write the request's buffer: keep the request, as a timeout does
-            waiting._abandoned.append(self._req)
-            raise
-        return self._req.Test()
-
-
 # -- the backend -----------------------------------------------------------------------------------
 class NcclBackend(MpiBackend):
     """A process set's communicators: MPI for negotiation and host buffers (inherited), NCCL
@@ -453,8 +434,6 @@ class NcclBackend(MpiBackend):
     def allreduce(self, buf, op: int, send=None) -> None:
         """Reduction of ``buf`` over the set, in place, or from ``send`` (same shape and dtype)
         into ``buf``: NCCL reads one buffer and writes the other, with no copy of ours."""
-        if isinstance(buf, np.ndarray):
-            return super().allreduce(buf, op, send)
         _device_array(buf)
         source = buf if send is None else send
         _device_array(source)
@@ -482,8 +461,6 @@ class NcclBackend(MpiBackend):
 
     def allgatherv(self, send, recv, counts) -> None:
         """Rank r's ``counts[r]`` elements, laid end to end in ``recv`` on every rank."""
-        if isinstance(send, np.ndarray):
-            return super().allgatherv(send, recv, counts)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -506,8 +483,6 @@ class NcclBackend(MpiBackend):
 
     def bcast(self, buf, root: int) -> None:
         """Rank ``root``'s ``buf`` on every rank, in place."""
-        if isinstance(buf, np.ndarray):
-            return super().bcast(buf, root)
         _device_array(buf)
         if buf.nbytes == 0:
             return None
@@ -520,8 +495,6 @@ class NcclBackend(MpiBackend):
 
     def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
         """Rank i sends ``send_counts[j]`` elements to rank j, grouped send/recv pairs."""
-        if isinstance(send, np.ndarray):
-            return super().alltoallv(send, send_counts, recv, recv_counts)
         _device_array(send)
         _device_array(recv)
         item = send.dtype.itemsize
@@ -539,8 +512,6 @@ class NcclBackend(MpiBackend):
 
     def reduce_scatter(self, send, recv, counts, op: int) -> None:
         """Reduce ``send`` over the set; this rank keeps its ``counts[rank]`` elements."""
-        if isinstance(send, np.ndarray):
-            return super().reduce_scatter(send, recv, counts, op)
         _device_array(send)
         _device_array(recv)
         counts = [int(c) for c in counts]
@@ -575,18 +546,6 @@ class NcclBackend(MpiBackend):
         if self._nccl_comm is not None:
             with _nccl_errors(self._nccl, f"communication on rank {self.rank}"):
                 self._nccl_comm.check_async_error()
-
-    def negotiate(self, words: np.ndarray, timeout_s: float) -> None:
-        """:meth:`MpiBackend.negotiate`, asking NCCL for asynchronous errors at every test of
-        the MPI request: device work may still be in flight (requests are done once queued),
-        and a peer that died inside a collective shows there first, while the negotiation
-        would wait for that peer until ``timeout_s``."""
-        if self._nccl_comm is None and self._hierarchy is None:
-            return super().negotiate(words, timeout_s)
-        self.check_async_error()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
-        self._waiter.wait(_Watched(req, self.check_async_error), timeout_s, "negotiation")
-        return None
 
     def abort(self) -> None:
         """End this set's NCCL communicators at once (``ncclCommAbort``), the hierarchical

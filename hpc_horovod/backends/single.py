@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Backend
+from .scaling import scale_inplace, scale_into
 
 
 class SingleBackend(Backend):
@@ -25,9 +26,11 @@ class SingleBackend(Backend):
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return values.copy()
 
-    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None) -> None:
-        if send is not None:
-            buf[...] = send
+    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None,
+                  prescale: float = 1.0, postscale: float = 1.0) -> None:
+        if send is not None or prescale != 1.0:
+            scale_into(buf if send is None else send, prescale, buf)
+        scale_inplace(buf, postscale)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         recv.reshape(-1)[: send.size] = send.reshape(-1)

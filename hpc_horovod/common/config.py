@@ -32,6 +32,8 @@ def _number(env: Mapping[str, str], name: str, default: float, kind=float):
 
 @dataclass(frozen=True)
 class Settings:
+    #: bytes fused into one buffer; with the hierarchical allreduce, each rank's segment of the
+    #: node's shared window (half staging, half gradient buckets)
     fusion_threshold: int = 128 * 1024 * 1024
     #: bytes of gradients the bindings' DistributedOptimizer / tape reduce as one flat tensor
     #: (torch DDP's bucket_cap_mb); 0: every gradient on its own. Read when an optimizer or a
@@ -46,7 +48,9 @@ class Settings:
     stall_shutdown_time_s: float = 0.0
     peer_timeout_s: float = 60.0
     dynamic_process_sets: bool = False
-    hierarchical_allreduce: bool = False
+    #: host allreduce in stages (the node's shared window, then MPI across nodes); 0 gives the
+    #: flat MPI path
+    hierarchical_allreduce: bool = True
     log_level: str = "warning"
 
     @classmethod
@@ -69,6 +73,7 @@ class Settings:
             ),
             peer_timeout_s=_number(env, "HOROVOD_PEER_TIMEOUT_SECONDS", cls.peer_timeout_s),
             dynamic_process_sets=_flag(env, "HOROVOD_DYNAMIC_PROCESS_SETS"),
-            hierarchical_allreduce=_flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allreduce=_flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE",
+                                         cls.hierarchical_allreduce),
             log_level=env.get("HOROVOD_LOG_LEVEL", cls.log_level).lower(),
         )

@@ -803,9 +803,18 @@ class Engine:
         self._fail(leftovers)
 
     def free_backends(self) -> None:
-        """Release every process set's backend, set 0's included (locally: see ``free``)."""
+        """Release every process set's backend, set 0's included. After a shutdown (which
+        stops every rank in the same cycle, the ones that did not ask for it too) each is
+        closed, collectively over its set and in the same order on every rank
+        (``Backend.close``: what the ranks share, the node's shared window, is released too,
+        within the peer timeout); after an error, freed locally (``Backend.free``; the runtime
+        keeps a failed engine's backends instead: :meth:`abandon_backends`)."""
+        normal = self._error is None
         for ps in self._sets.values():
-            ps.backend.free()
+            if normal:
+                ps.backend.close()
+            else:
+                ps.backend.free()
 
     def abandon_backends(self) -> None:
         """After a failure: keep every backend (and its communicator) alive for the life of

@@ -55,3 +55,9 @@ class UnsupportedLauncherError(TopologyError):
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 SHUT_DOWN = "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to submit an operation after hvd.shutdown()."  # noqa: E501
+
+
+class SharedMemoryError(RuntimeError):
+    """The node's shared-memory window cannot be made (too small a ``/dev/shm``, a memory cgroup
+    limit): raised by ``init`` with the size asked for, the limit hit and the variable that
+    turns the stage off."""

@@ -1,7 +1,9 @@
 """Allreduce of groups of agreed tensors through one fusion buffer and one backend call each.
 
-Scaling is folded into the copies that happen anyway: the prescale factor is applied while
-packing, the postscale factor (and Average's 1/size) while unpacking. Results of out-of-place
+Scaling is folded into the passes that happen anyway: the prescale factor is applied while
+packing, the postscale factor (and Average's 1/size) while unpacking; a tensor alone, or a group
+whose results are views of the fusion buffer, has them applied by the backend (the hierarchical
+host backend folds them into its one pass over the data). Results of out-of-place
 requests are views into the (fresh) fusion buffer; in-place requests are written back. A tensor
 alone in its group (a large gradient, or a bucket that is already one flat tensor) is reduced in
 its own memory, without the fusion buffer. float16/bfloat16 are reduced in float32 unless the
@@ -15,6 +17,8 @@ import sys
 
 import numpy as np
 
+from ..backends.scaling import scale_inplace as _scale_inplace
+from ..backends.scaling import scale_into as _scale_into
 from .request import Request
 from .types import HALF_DTYPES, Average, Signature, Sum
 
@@ -77,21 +81,6 @@ def wire_dtype(dtype: np.dtype, op: int, device: bool = False) -> np.dtype:
     return dtype
 
 
-def _scale_into(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
-    if factor == 1.0:
-        dst[...] = src
-    elif dst.dtype.kind == "f":
-        np.multiply(src, factor, out=dst, dtype=np.float32 if dst.dtype.itemsize < 4
-                    else dst.dtype, casting="unsafe")
-    else:
-        np.multiply(src, factor, out=dst, casting="unsafe")
-
-
-def _scale_inplace(buf: np.ndarray, factor: float) -> None:
-    if factor != 1.0:
-        _scale_into(buf, factor, buf)
-
-
 class FusedAllreduce:
     """Allreduce of a group of agreed tensors (same dtype, op and scale factors) through one
     fusion buffer and one backend call.
@@ -139,13 +128,13 @@ class FusedAllreduce:
         else:
             np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
             _scale_inplace(buf, pre)
-        backend.allreduce(buf, op)
         as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
         if not as_views:
+            backend.allreduce(buf, op)
             self._unpack(reqs, buf, dtype, post)
             return
-        # Views of the fusion buffer, fresh from the pool.
-        _scale_inplace(buf, post)
+        # Views of the fusion buffer, fresh from the pool, scaled by the backend.
+        backend.allreduce(buf, op, postscale=post)
         if self.flat:
             for req, (a, b) in zip(reqs, self.bounds):
                 if req is not None:
@@ -330,20 +319,15 @@ def _scale_device(src, factor: float, out) -> None:
 
 def _reduce_one(backend, req: Request | None, shape: tuple[int, ...], dtype: np.dtype, op: int,
                 pre: float, post: float) -> None:
+    """A tensor alone, reduced from its own memory by the backend, which applies both scale
+    factors (in place, or from the input into the result: no copy of ours)."""
     if req is None:  # a joined rank's share: zeros, and the result is dropped
         backend.allreduce(np.zeros(shape, dtype), op)
         return
     out = req.output if req.output is not None else pool.empty(req.tensor.shape,
                                                                  req.tensor.dtype)
-    if out is req.tensor:
-        _scale_inplace(out, pre)
-        backend.allreduce(out, op)
-    elif pre == 1.0:  # MPI reads the input and writes the result: no copy of ours
-        backend.allreduce(out, op, send=req.tensor)
-    else:
-        _scale_into(req.tensor, pre, out)
-        backend.allreduce(out, op)
-    _scale_inplace(out, post)
+    backend.allreduce(out, op, send=None if out is req.tensor else req.tensor, prescale=pre,
+                      postscale=post)
     req.result = out
 
 

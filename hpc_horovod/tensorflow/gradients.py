@@ -3,9 +3,9 @@ DistributedOptimizers share.
 
 All gradients of a step go through one grouped allreduce (one graph op), not one call per
 variable; ``groups`` splits them into several such calls when asked. Inside a call, dense
-gradients of one dtype are laid end to end in buckets of about ``HOROVOD_BUCKET_BYTES`` (as torch
-DDP's reducer does), so the engine gets one request per bucket, reduced in place in the bucket's
-own memory, and each gradient comes back as a slice of its bucket.
+gradients of one dtype are laid end to end in buckets of about ``HOROVOD_BUCKET_BYTES``
+(``common.buckets``, shared with torch), so the engine gets one request per bucket, reduced in
+place in the bucket's own memory, and each gradient comes back as a slice of its bucket.
 """
 
 from __future__ import annotations
@@ -14,22 +14,11 @@ import warnings
 
 import tensorflow as tf
 
+from ..common import buckets
 from ..common.basics import ProcessSet, global_process_set
-from ..common.config import Settings
 from ..common.types import Average
 from .compression import Compression
 from .mpi_ops import grouped_allreduce
-
-
-def _split_list(items: list, n: int) -> list[list]:
-    """``n`` contiguous chunks of nearly equal length (Horovod's split_list)."""
-    base, extra = divmod(len(items), n)
-    chunks, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        chunks.append(items[start:end])
-        start = end
-    return [c for c in chunks if c]
 
 
 class GradientReducer:
@@ -83,7 +72,7 @@ class GradientReducer:
         if self.groups is None:
             return [indices]
         if isinstance(self.groups, int):
-            return _split_list(indices, self.groups)
+            return buckets.split(indices, self.groups)
         if variables is None:
             raise ValueError("groups given as lists of variables need the variables of the "
                              "gradients")
@@ -119,15 +108,15 @@ class GradientReducer:
                                            (sparse, 1.0, 1.0)):
                     if not members:
                         continue
-                    buckets = (_buckets([grads[i] for i in members], self._bucket_bytes())
-                               if members is dense else [[k] for k in range(len(members))])
+                    assigned = (_buckets([grads[i] for i in members], buckets.bucket_bytes())
+                                if members is dense else [[k] for k in range(len(members))])
                     tensors = [_flatten([grads[members[k]] for k in bucket])
-                               for bucket in buckets]
+                               for bucket in assigned]
                     reduced = grouped_allreduce(
                         tensors, device_dense=self.device_dense,
                         device_sparse=self.device_sparse, compression=self.compression,
                         op=self.op, prescale_factor=pre, postscale_factor=post, process_set=ps)
-                    for bucket, flat in zip(buckets, reduced):
+                    for bucket, flat in zip(assigned, reduced):
                         parts = _unflatten(flat, [grads[members[k]] for k in bucket])
                         for k, g in zip(bucket, parts):
                             grads[members[k]] = g
@@ -136,11 +125,6 @@ class GradientReducer:
                 if grads[i] is not None:
                     grads[i] = _scale(grads[i], 1.0 / ps.size())
         return grads
-
-
-    @staticmethod
-    def _bucket_bytes() -> int:
-        return Settings.from_env().bucket_bytes
 
 
 def _static_bytes(grad) -> int | None:
@@ -152,25 +136,11 @@ def _static_bytes(grad) -> int | None:
 
 
 def _buckets(grads: list, cap: int) -> list[list[int]]:
-    """Positions of ``grads`` in buckets of one dtype of at most ``cap`` bytes each (a gradient
-    larger than ``cap``, or of a shape known only when it runs, alone), filled from the last
+    """Positions of ``grads`` in buckets (``common.buckets.assign``), filled from the last
     gradient back (the first ready in a backward pass), as torch DDP does."""
-    closed, open_buckets = [], {}
-    for k in reversed(range(len(grads))):
-        nbytes = _static_bytes(grads[k])
-        if nbytes is None or nbytes >= cap:
-            closed.append([k])
-            continue
-        dtype = tf.as_dtype(grads[k].dtype)
-        bucket = open_buckets.get(dtype)
-        if bucket is not None and bucket[0] + nbytes > cap:
-            closed.append(bucket[1])
-            bucket = None
-        if bucket is None:
-            bucket = open_buckets[dtype] = [0, []]
-        bucket[0] += nbytes
-        bucket[1].append(k)
-    return closed + [b[1] for b in open_buckets.values()]
+    last_first = list(reversed(range(len(grads))))
+    items = [(tf.as_dtype(grads[k].dtype), _static_bytes(grads[k])) for k in last_first]
+    return [[last_first[i] for i in bucket] for bucket in buckets.assign(items, cap)]
 
 
 def _flatten(grads: list):

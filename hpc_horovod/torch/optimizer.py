@@ -7,13 +7,15 @@ Gradients are reduced in buckets, as torch's DistributedDataParallel does: the p
 reverse order (the order backward produces their gradients), fill buckets of one dtype on one
 device, each closed once it holds ``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB; 1 MiB for the
 first bucket of each dtype and device, so that the first reduction starts early). Each bucket
-owns one flat tensor, and after its first reduction every ``p.grad`` of the bucket is a view
+owns one flat tensor (in the node's shared window with the hierarchical host backend, see
+``common.buckets``), and after its first reduction every ``p.grad`` of the bucket is a view
 into it, so that backward accumulates straight into the bucket. A hook on each parameter counts the
 gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
-A gradient that is not a view of its bucket (the first step, after ``zero_grad()`` set it to
-None, or when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
+``zero_grad()`` keeps them views (zeroed, whatever ``set_to_none`` says, as DDP's
+``gradient_as_bucket_view``); a gradient that is not a view of its bucket (the first step, or
+when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
 Sparse gradients are reduced one tensor at a time.
 """
 
@@ -24,16 +26,12 @@ from contextlib import contextmanager
 
 import torch
 
+from ..common import buckets
 from ..common.basics import ProcessSet, global_process_set, size
-from ..common.config import Settings
 from ..common.types import Adasum, Average
 from .compression import Compression
 from .functions import broadcast_object
 from .mpi_ops import allreduce_async_, sparse_allreduce_async, synchronize
-
-#: the first bucket of each dtype and device is closed earlier (as DDP's first bucket), so
-#: that the first reduction starts while backward still runs
-FIRST_BUCKET_BYTES = 1024 * 1024
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
@@ -88,20 +86,30 @@ class _Bucket:
     is known: a member whose gradient is sparse leaves the bucket then (reduced on its own).
     """
 
-    __slots__ = ("params", "name", "flat", "views", "ready", "densified")
+    __slots__ = ("params", "name", "flat", "views", "ready", "densified", "process_set_id")
 
-    def __init__(self, params: list, name: str):
+    def __init__(self, params: list, name: str, process_set_id: int):
         self.params = params
         self.name = name
+        self.process_set_id = process_set_id
         self.flat: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.ready = 0  # members whose gradient is final for this step
         self.densified: list = []  # (param, view) of sparse gradients reduced as dense
 
     def lay_out(self) -> None:
+        """One flat tensor for the members: in the node's shared window when the host backend
+        has one and room is left (its allreduce then reads it where it lies), else of its own."""
         first = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype,
-                                device=first.device)
+        count = sum(p.numel() for p in self.params)
+        memory = None
+        if count and first.device.type == "cpu":
+            memory = buckets.shared_memory(self.process_set_id, count * first.element_size())
+        if memory is not None:
+            self.flat = torch.frombuffer(memory, dtype=first.dtype, count=count)
+            self.flat.zero_()
+        else:
+            self.flat = torch.zeros(count, dtype=first.dtype, device=first.device)
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -131,26 +139,10 @@ class _Bucket:
                 p.grad = view
 
 
-def _split(items: list, n: int) -> list[list]:
-    """``n`` consecutive chunks of nearly equal length."""
-    d, r = divmod(len(items), n)
-    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
-
-
 def _by_kind(params: list, cap: float, first_cap: float) -> list[list]:
-    """``params`` in order, in buckets of one dtype and device closed once they hold ``cap``
-    bytes (``first_cap`` for the first bucket of each dtype and device)."""
-    closed, open_buckets, started = [], {}, set()
-    for p in params:
-        key = (p.dtype, p.device)
-        bucket = open_buckets.setdefault(key, [[], 0])
-        bucket[0].append(p)
-        bucket[1] += p.numel() * p.element_size()
-        if bucket[1] >= (cap if key in started else first_cap):
-            closed.append(bucket[0])
-            started.add(key)
-            del open_buckets[key]
-    return closed + [b[0] for b in open_buckets.values()]
+    """``params`` in order, in buckets of one dtype and device (``common.buckets.assign``)."""
+    items = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
+    return [[params[i] for i in bucket] for bucket in buckets.assign(items, cap, first_cap)]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -200,8 +192,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self._groups is None:
-            cap = Settings.from_env().bucket_bytes
-            buckets = _by_kind(params[::-1], cap, min(cap, FIRST_BUCKET_BYTES))
+            cap = buckets.bucket_bytes()
+            groups = _by_kind(params[::-1], cap, min(cap, buckets.FIRST_BUCKET_BYTES))
         else:
             # Every rank must form the same groups: order the parameters as rank 0 does.
             order = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,
@@ -214,12 +206,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             for group in self._groups]
                 p_groups += [[p] for p in params if id(p) not in listed]
             else:
-                p_groups = _split(params, self._groups)
+                p_groups = buckets.split(params, self._groups)
             # a group is reduced as one bucket of each dtype and device it holds
-            buckets = [b for group in p_groups
-                       for b in _by_kind(group, float("inf"), float("inf"))]
-        for members in buckets:
-            bucket = _Bucket(members, f"bucket.{self._parameter_names[members[0]]}")
+            groups = [b for group in p_groups
+                      for b in _by_kind(group, float("inf"), float("inf"))]
+        ps_id = self.process_set.process_set_id
+        for members in groups:
+            bucket = _Bucket(members, f"bucket.{self._parameter_names[members[0]]}", ps_id)
             self._buckets.append(bucket)
             for p in members:
                 self._bucket_of[p] = bucket
@@ -360,11 +353,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._base_class.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``. With ``set_to_none=False`` the gradients stay
-        views of their buckets (nothing to copy in the next step)."""
+        """The wrapped optimizer's ``zero_grad``, except for the gradients of laid-out buckets:
+        those become zeroed views of their bucket whichever ``set_to_none`` says (each bucket
+        zeroed in one pass), as DDP's ``gradient_as_bucket_view`` does, so that backward
+        accumulates straight into the bucket and nothing is copied in at the next step. A
+        gradient set to None instead would make autograd allocate a new tensor, copied into
+        the bucket when it is reduced."""
         if self._handles or self._accumulating:
             raise AssertionError(_ZERO_GRAD_RACE)
-        return self._base_class.zero_grad(self, set_to_none)
+        viewed = set()
+        for bucket in self._buckets:
+            if bucket.flat is None:
+                continue
+            bucket.flat.zero_()
+            sparse = {id(p) for p, _ in bucket.densified}  # handed back sparse: not a view
+            for p, view in zip(bucket.params, bucket.views):
+                if id(p) not in sparse:
+                    p.grad = view
+                    viewed.add(p)
+        if not viewed:
+            return self._base_class.zero_grad(self, set_to_none)
+        others = [(group, group["params"]) for group in self.param_groups]
+        try:
+            for group, params in others:
+                group["params"] = [p for p in params if p not in viewed]
+            return self._base_class.zero_grad(self, set_to_none)
+        finally:
+            for group, params in others:
+                group["params"] = params
 
     def load_state_dict(self, state_dict) -> None:
         self._handles = {}

@@ -209,12 +209,14 @@ def test_sync_batch_normalization_of_one_process_saves_and_loads(single, tmp_pat
 
 
 def test_dense_gradients_go_in_buckets_of_one_dtype_from_the_last_back():
-    """The tape's buckets: one dtype each, at most the cap, filled from the last gradient back;
-    a gradient over the cap, or of a shape known only when the graph runs, alone."""
+    """The tape's buckets (DDP's rule, common.buckets): one dtype each, closed once they hold
+    the cap, filled from the last gradient back; a gradient of a shape known only when the
+    graph runs alone."""
     f32 = [tf.zeros([4]), tf.zeros([2, 2]), tf.zeros([100]), tf.zeros([1])]  # 16, 16, 400, 4 B
     half = tf.zeros([8], tf.float16)
-    assert _buckets(f32, 40) == [[2], [3, 1, 0]]
-    assert _buckets(f32, 20) == [[2], [3, 1], [0]]
+    assert _buckets(f32, 40) == [[3, 2], [1, 0]]
+    assert _buckets(f32, 20) == [[3, 2], [1, 0]]
+    assert _buckets(f32, 16) == [[3, 2], [1], [0]]
     assert _buckets(f32, 0) == [[3], [2], [1], [0]]  # HOROVOD_BUCKET_BYTES=0: none shared
     assert _buckets([f32[0], half, f32[1]], 1 << 20) == [[2, 0], [1]]
 

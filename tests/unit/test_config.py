@@ -17,7 +17,7 @@ def test_defaults_are_horovods():
     assert s.stall_check_time_s == 60.0
     assert s.stall_shutdown_time_s == 0.0  # 0 = never shut down on a stall
     assert s.dynamic_process_sets is False
-    assert s.hierarchical_allreduce is False
+    assert s.hierarchical_allreduce is True
     assert s.log_level == "warning"
     assert s == Settings()
 

@@ -33,7 +33,7 @@ class FailingBackend(SingleBackend):
     def __init__(self, exc: BaseException):
         self.exc = exc
 
-    def allreduce(self, buf, op, send=None):
+    def allreduce(self, buf, op, send=None, prescale=1.0, postscale=1.0):
         raise self.exc
 
 

@@ -130,13 +130,24 @@ def nccl_backend(nccl: StandInNccl, comm: StandInCommunicator):
     return backend
 
 
+def routed_backend(nccl: StandInNccl, comm: StandInCommunicator):
+    """What ``compose`` builds with a GPU: the host backend (MPI over COMM_SELF) and the NCCL
+    backend of :func:`nccl_backend`, routed by where each buffer lives."""
+    from mpi4py import MPI
+
+    from hpc_horovod.backends.mpi import MpiBackend
+    from hpc_horovod.backends.routed import RoutedBackend
+
+    return RoutedBackend(MpiBackend(MPI.COMM_SELF.Dup()), nccl_backend(nccl, comm))
+
+
 def allreduce(name: str, x: np.ndarray) -> Request:
     return Request(name, x, signature_of("allreduce", x, Sum), 0, None)
 
 
 def test_an_nccl_error_stops_the_engine_naming_the_rank_and_aborts_nccl(nccl):
     comm = StandInCommunicator(nccl, fail_after=0)
-    engine = Engine(nccl_backend(nccl, comm), Settings())  # no engine thread: waiters cycle
+    engine = Engine(routed_backend(nccl, comm), Settings())  # no engine thread: waiters cycle
     handle = engine.submit(allreduce("grad", np.ones(4, np.float32)))
     with pytest.raises(HorovodInternalError) as info:
         engine.wait(handle)
@@ -151,7 +162,7 @@ def test_a_normal_stop_lets_device_work_finish(nccl):
     """Shutdown agreed by every rank: every collective was launched everywhere and ends, so the
     communicator is destroyed after the stream drains (``free``), never aborted."""
     comm = StandInCommunicator(nccl)
-    engine = Engine(nccl_backend(nccl, comm), Settings())
+    engine = Engine(routed_backend(nccl, comm), Settings())
     assert engine.wait(engine.submit(allreduce("x", np.ones(2)))).result.tolist() == [1.0, 1.0]
     engine.shutdown()
     with engine._cycle_lock:
@@ -193,18 +204,18 @@ class NeverAnswers:
 def test_waiting_for_peers_watches_nccl_errors(nccl):
     """A negotiation waits for a dead peer up to the peer timeout; an NCCL error seen meanwhile
     ends the wait at once, and the MPI request is kept (MPI may still write its buffer)."""
-    from hpc_horovod.backends.nccl import _Watched
+    from hpc_horovod.backends.routed import DeviceWatch
 
     comm = StandInCommunicator(nccl, fail_after=5)
     backend = nccl_backend(nccl, comm)
     request = NeverAnswers()
-    abandoned = len(waiting._abandoned)
+    abandoned = len(waiting.abandoned)
     with pytest.raises(HorovodInternalError, match="NCCL communication on rank 0 failed"):
-        waiting.RequestWaiter(2).wait(_Watched(request, backend.check_async_error), 3600.0,
-                                      "negotiation")
-    assert request.tests == 5 and comm.checks == 6
-    assert waiting._abandoned[abandoned:] == [request]
-    del waiting._abandoned[abandoned:]
+        waiting.RequestWaiter(2).wait(request, 3600.0, "negotiation",
+                                      DeviceWatch(None, backend.check_async_error))
+    assert request.tests >= 6 and comm.checks == 6
+    assert waiting.abandoned[abandoned:] == [request]
+    del waiting.abandoned[abandoned:]
     backend._nccl_comm = None
     backend.free()
 

@@ -178,9 +178,14 @@ def check_buckets():
         for p, q in zip(results[cap], results[0]):
             assert same(p, q), f"bucket size {cap} changed the result"
     assert_identical_on_all_ranks(nn.ParameterList(results[200]), "buckets")
-    # set_to_none every step: each step copies into the bucket and rebinds, same result
-    params, _, found = bucketed_run(200, set_to_none_steps=range(4))
-    assert found["grads kept"] == [False] * 4, found
+    # set_to_none every step: zero_grad rebinds each gradient to a zeroed view of its bucket
+    # (no copy in the next step, as with set_to_none=False), same result
+    params, opt, found = bucketed_run(200, set_to_none_steps=range(4))
+    assert found["grads kept"] == [False, True, True, True], found
+    opt.zero_grad(set_to_none=True)
+    for bucket in opt._buckets:
+        assert not bucket.flat.any()
+        assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
     assert all(same(p, q) for p, q in zip(params, results[200]))
     # fp16 compression per bucket: as per tensor (float16 sums are rounded where the engine's
     # path for the group's size scales them, so not to the bit)

@@ -1,0 +1,486 @@
+"""Host buffers in stages, as NCCL inside a node and Horovod's hierarchical allreduce across nodes.
+
+The ranks of one node share memory through MPI itself (``Comm.Split_type(COMM_TYPE_SHARED)``
+and ``Win.Allocate_shared``). An allreduce of :data:`MPI_BELOW_BYTES` or more goes in chunks of
+at most half a window (a smaller one is MPI's own ``Allreduce``, faster there); for each:
+
+1. every rank publishes where its data lies in its segment of the window (a bucket laid out
+   in the window already, or a staging area it copies the chunk into), then arrives;
+2. **reduce-scatter inside the node by direct loads**: rank ``i`` of ``k`` reduces slice ``i``
+   from every rank's data with the native one-pass kernel (``_native.reduce_slices``:
+   pre-scale, the op, post-scale). With one node it writes the result straight into every
+   rank's data (the push that replaces an allgather). With several nodes that hold as many
+   ranks each, it writes its own copy, **allreduces the slice across nodes** with MPI over the
+   ranks of the same local rank (one ``Comm.Split`` communicator), post-scales and pushes it
+   to every rank of the node. When nodes hold different numbers of ranks (``srun -N 2 -n 3``),
+   slices cannot pair up across nodes: every rank writes its reduced slice into the data of
+   the node's leader (local rank 0), the leaders **allreduce the node's whole sum** across
+   nodes with MPI, and every rank copies the result out of the leader's data, post-scaled;
+3. every rank arrives again; a rank that staged copies the other slices out into its buffer.
+
+A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
+sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
+are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once when the engine's
+alarm (handed over at each negotiation) says a peer failed, and yields its core meanwhile.
+After the last arrival no rank touches another's segment for this chunk, so the window is
+never written while a peer still reads it.
+
+Every rank's segment is ``HOROVOD_FUSION_THRESHOLD`` bytes: a staging half, and a half from
+which :meth:`HierarchicalBackend.bucket_memory` hands gradient buckets out, so that backward
+writes them straight into shared memory. The segment file is unlinked by MPI once every rank
+has mapped it: nothing is left behind by a rank that dies. The window is freed collectively by
+:meth:`HierarchicalBackend.close`; :meth:`free` (local) keeps it mapped until the process
+exits, since views of it (``p.grad``) may still be alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ..common import patience
+from ..common.errors import HorovodInternalError, SharedMemoryError
+from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
+from .mpi import MpiBackend
+
+try:
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+log = logging.getLogger("hpc_horovod")
+
+ALIGN = 64  # slice bounds and handed-out memory on cache lines
+_LINE = ALIGN // 8  # int64s per control line
+#: windows given up by free() while views of them may live: mapped until the process exits
+_retained: list = []
+SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
+#: Allreduces of fewer bytes go to MPI's own ``Allreduce`` over the whole set: below this size
+#: the stages' fixed cost (two arrivals per chunk, each rank's Python passes, peers waiting on
+#: the slowest) outweighs the copies they save. Measured with ``benchmarks/allreduce.py``
+#: (see benchmarks/RESULTS.md); an algorithm chosen by size, as NCCL chooses its own.
+MPI_BELOW_BYTES = 2 << 20
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def slice_bounds(count: int, itemsize: int, k: int, i: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of ``count`` that rank ``i`` of ``k`` reduces: equal slices on
+    cache-line bounds (no two ranks write one line)."""
+    step = max(1, ALIGN // itemsize)
+    per = -(-count // (k * step)) * step
+    lo = min(i * per, count)
+    return lo, min(lo + per, count)
+
+
+def backing_directory() -> str:
+    """Where the MPI library puts shared windows: Open MPI's ``osc_sm_backing_directory``
+    (``/dev/shm`` on Linux), else ``/dev/shm`` (MPICH's ``shm_open``)."""
+    return os.environ.get("OMPI_MCA_osc_sm_backing_directory", "/dev/shm")
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    """(bytes this process's cgroup may still charge, the file that says so), or None without a
+    memory limit. Pages of a shared window count against the cgroup that touches them."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":  # cgroup v2
+            base = "/sys/fs/cgroup" + parts[2].rstrip("/")
+            limit_file, used_file = base + "/memory.max", base + "/memory.current"
+        elif "memory" in parts[1].split(","):  # cgroup v1
+            base = "/sys/fs/cgroup/memory" + parts[2].rstrip("/")
+            limit_file, used_file = (base + "/memory.limit_in_bytes",
+                                     base + "/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(used_file) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return int(limit) - used, limit_file
+    return None
+
+
+def window_problem(node_bytes: int, per_rank: int, local_size: int) -> str | None:
+    """Why a window of ``node_bytes`` cannot be made on this node, or None: a full tmpfs lets
+    the allocation succeed and kills the job with SIGBUS at a page's first touch, and a cgroup
+    limit kills it with the OOM killer; neither says why."""
+    asked = (f"the hierarchical allreduce's shared window needs {node_bytes} bytes on this node "
+             f"({local_size} ranks x {per_rank} bytes, HOROVOD_FUSION_THRESHOLD plus a "
+             "control page)")
+    remedy = (f"make room, lower HOROVOD_FUSION_THRESHOLD, or turn the stage off with "
+              f"{SWITCH_OFF}")
+    directory = backing_directory()
+    try:
+        stat = os.statvfs(directory)
+    except OSError as exc:
+        return f"{asked}, but its directory {directory} cannot be used ({exc}): {remedy}"
+    free = stat.f_bavail * stat.f_frsize
+    if free < node_bytes:
+        return (f"{asked}, but {directory} has {free} bytes free (a container's /dev/shm is "
+                f"often 64 MiB: docker --shm-size): {remedy}")
+    room = _cgroup_room()
+    if room is not None and room[0] < node_bytes:
+        return (f"{asked}, but the memory cgroup limit ({room[1]}) leaves {room[0]} bytes: "
+                f"{remedy}")
+    return None
+
+
+class NodeWindow:
+    """The window of the ranks of one node: rank ``q``'s segment is ``segment(q)``, its first
+    half a staging area and its second half the memory :meth:`take` hands out; rank 0's holds
+    the control lines before it (one per rank: arrival counter, published data offset).
+
+    Creating it is collective over ``node`` (every rank of which shares this node's memory)."""
+
+    def __init__(self, node: MPI.Comm, data_bytes: int, global_ranks: list[int],
+                 timeout_s: float):
+        self.node = node
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        self.global_ranks = global_ranks
+        self.timeout_s = timeout_s
+        half = max(4096, data_bytes // 2 // 4096 * 4096)  # a page each, whatever the threshold
+        self.staging_bytes = half
+        self.data_bytes = 2 * half
+        ctrl_bytes = -(-self.size * ALIGN // 4096) * 4096
+        problem = window_problem(self.size * self.data_bytes + ctrl_bytes,
+                                 self.data_bytes, self.size)
+        problems = [p for p in node.allgather(problem) if p is not None]
+        if problems:
+            raise SharedMemoryError(problems[0])
+        mine = self.data_bytes + (ctrl_bytes if self.rank == 0 else 0)
+        self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        self.segments = []
+        for q in range(self.size):
+            memory, _ = self.win.Shared_query(q)
+            skip = ctrl_bytes if q == 0 else 0
+            if q == 0:
+                self.ctrl = np.frombuffer(memory, dtype=np.int64, count=ctrl_bytes // 8)
+            self.segments.append(np.frombuffer(memory, dtype=np.uint8, count=self.data_bytes,
+                                               offset=skip))
+            if q == self.rank:
+                # its own root array: handed-out views keep it referenced (see in_use)
+                self._arena = np.frombuffer(memory, dtype=np.uint8, count=half,
+                                            offset=skip + half)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.ctrl[self.rank * _LINE:(self.rank + 1) * _LINE] = 0
+        self.counters = self.ctrl[:self.size * _LINE:_LINE]  # every rank's arrivals
+        self.offsets = self.ctrl[1:self.size * _LINE:_LINE]  # where their data lies
+        self.seq = 0
+        #: the engine's alarm (``.error`` set when a peer failed), from the last negotiation
+        self.alarm = None
+        self.win.Sync()
+        node.Barrier()
+        self.win.Sync()
+        self._lo = _address(self.segments[self.rank])
+        self._arena_used = 0
+        self._lock = threading.Lock()
+
+    # -- memory ----------------------------------------------------------------------------------
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of this rank's segment (uint8, cache-line aligned), or None when the half
+        that holds buckets is full."""
+        with self._lock:
+            start = self._arena_used
+            end = start + -(-nbytes // ALIGN) * ALIGN
+            if end > self._arena.size:
+                return None
+            self._arena_used = end
+        return self._arena[start:start + nbytes]
+
+    def offset_of(self, a: np.ndarray) -> int | None:
+        """Byte offset of ``a`` in this rank's segment, or None when it lies elsewhere."""
+        start = _address(a) - self._lo
+        if 0 <= start and start + a.nbytes <= self.data_bytes:
+            return start
+        return None
+
+    # -- arrivals --------------------------------------------------------------------------------
+    def arrive(self, offset: int, what: str) -> None:
+        """Publish ``offset`` and wait for every rank of the node to arrive here too; raise
+        HorovodInternalError naming the ranks that did not within the peer timeout."""
+        seq = self.seq = self.seq + 1
+        line = self.rank * _LINE
+        self.ctrl[line + 1] = offset
+        self.win.Sync()
+        self.ctrl[line] = seq
+        self.win.Sync()
+        counters = self.counters
+        if counters.min() < seq:
+            self._wait(seq, what)
+        self.win.Sync()
+
+    def _wait(self, seq: int, what: str) -> None:
+        counters = self.counters
+        sync = self.win.Sync
+        start = time.perf_counter()
+        spin_until = start + 50e-6
+        yield_until = start + patience.yield_s()
+        while True:
+            sync()
+            if counters.min() >= seq:
+                return
+            now = time.perf_counter()
+            if now < spin_until:
+                continue
+            alarm = self.alarm
+            if alarm is not None and alarm.error is not None:
+                raise alarm.error.copy()
+            if now < yield_until:
+                os.sched_yield()
+                continue
+            if self.timeout_s and now - start > self.timeout_s:
+                late = [self.global_ranks[q] for q in range(self.size) if counters[q] < seq]
+                raise HorovodInternalError(
+                    f"rank(s) {', '.join(map(str, late))} did not arrive in the node's shared "
+                    f"window ({what}) for {self.timeout_s:.0f} s: a peer died or is blocked "
+                    "(raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for "
+                    "longer)")
+            time.sleep(20e-6 if now - start < 0.01 else 200e-6)
+
+    def data(self, q: int, offset: int, lo: int, hi: int, dtype: np.dtype) -> np.ndarray:
+        """Elements ``[lo, hi)`` of ``dtype`` from byte ``offset`` of rank ``q``'s segment."""
+        item = dtype.itemsize
+        return self.segments[q][offset + lo * item:offset + hi * item].view(dtype)
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def in_use(self) -> bool:
+        """Whether memory handed out by :meth:`take` may still be viewed (a bucket, a
+        ``p.grad``): then the mapping must stay."""
+        # References: the attribute, and getrefcount's argument.
+        return self._arena_used > 0 and sys.getrefcount(self._arena) > 2
+
+    def retire(self) -> None:
+        """Locally: end the access epoch and keep the mapping until the process exits."""
+        if self.win is not None:
+            self.win.Unlock_all()
+            _retained.append(self.win)
+            self.win = None
+
+    def close(self) -> None:
+        """Collective over the node: free the window, unless a rank still has views of it
+        (then every rank retires it). The ranks agree through one more arrival, bounded by the
+        peer timeout like every other: a rank that does not come is named in a warning, and
+        the window retired instead (the late rank then finds this one absent, and does so
+        too)."""
+        if self.win is None:
+            return
+        try:
+            self.arrive(int(self.in_use()), "closing the window")
+        except HorovodInternalError as exc:
+            self.ctrl[self.rank * _LINE] = -1  # not here: a late peer must not go on to free
+            self.win.Sync()
+            log.warning("rank %d: the node's shared window stays mapped until exit: %s",
+                        self.global_ranks[self.rank], exc)
+            self.retire()
+            return
+        if self.offsets.max() > 0:  # some rank still views memory of it
+            self.retire()
+            return
+        self.win.Unlock_all()
+        self.segments = self.ctrl = self.counters = self.offsets = self._arena = None
+        self.win.Free()
+        self.win = None
+
+
+class HierarchicalBackend(MpiBackend):
+    """An :class:`MpiBackend` whose allreduce goes in stages through the node's shared window
+    (see the module's docstring); every other collective is MPI's over the whole set.
+
+    Build it with :func:`create`, which gives a plain :class:`MpiBackend` when every node has one
+    rank of the set."""
+
+    name = "hierarchical"
+
+    def __init__(self, comm: MPI.Comm, node: MPI.Comm, window_bytes: int, timeout_s: float,
+                 mpi_below_bytes: int = MPI_BELOW_BYTES):
+        """Collective over ``comm``, whose ranks ``node`` splits into nodes (ranks that share
+        memory); the backend owns both communicators from now on. Allreduces of fewer than
+        ``mpi_below_bytes`` go to MPI's ``Allreduce``."""
+        super().__init__(comm)
+        self.mpi_below_bytes = mpi_below_bytes
+        self.node = node
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        sizes = comm.allgather((self.local_rank, self.local_size))
+        self.cross_size = sum(1 for local_rank, _ in sizes if local_rank == 0)
+        #: every node holds as many ranks: the ranks of one local rank reduce their slice across
+        #: nodes; otherwise the nodes' leaders (local rank 0) reduce the node's whole sum
+        self.by_slice = len({size for _, size in sizes}) == 1
+        if self.by_slice:
+            self.cross = comm.Split(color=self.local_rank, key=self.rank)
+        else:
+            leader = self.local_rank == 0
+            self.cross = comm.Split(color=0 if leader else MPI.UNDEFINED, key=self.rank)
+        self.window_bytes, self.timeout_s = window_bytes, timeout_s
+        try:
+            self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
+        except BaseException:
+            if self.cross != MPI.COMM_NULL:
+                self.cross.Free()
+            raise
+
+    def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
+        """:meth:`MpiBackend.negotiate`; the window's waits for peers of the cycle it starts
+        give up as soon as ``alarm.error`` is set too."""
+        self.window.alarm = alarm
+        super().negotiate(words, timeout_s, alarm)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def bucket_memory(self, nbytes: int) -> np.ndarray | None:
+        return self.window.take(nbytes)
+
+    # -- data ------------------------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None,
+                  prescale: float = 1.0, postscale: float = 1.0) -> None:
+        """In place, or from ``send`` into ``buf``; see the module's docstring."""
+        out = buf.reshape(-1)
+        if not _supported(out.dtype, op):
+            raise ValueError(f"{self.name} does not support allreduce {OP_NAMES.get(op, op)} of "
+                             f"{out.dtype}")
+        if out.size == 0:
+            return
+        if out.nbytes < self.mpi_below_bytes:
+            MpiBackend.allreduce(self, buf, op, send, prescale, postscale)
+            return
+        src = out if send is None else send.reshape(-1)
+        win = self.window
+        base = win.offset_of(out) if send is None else None
+        item = out.dtype.itemsize
+        chunk = win.staging_bytes // item // ALIGN * ALIGN
+        for lo in range(0, out.size, chunk):
+            hi = min(lo + chunk, out.size)
+            self._chunk(src[lo:hi], out[lo:hi], op, prescale, postscale,
+                        None if base is None else base + lo * item)
+
+    def _chunk(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
+               offset: int | None) -> None:
+        win, k, me = self.window, self.local_size, self.local_rank
+        n, dtype = out.size, out.dtype
+        lo, hi = slice_bounds(n, dtype.itemsize, k, me)
+        staged = offset is None
+        if staged:  # the slices the others reduce, where they can read them
+            offset = 0
+            stage = win.data(me, 0, 0, n, dtype)
+            for q in range(k):
+                if q != me:
+                    a, b = slice_bounds(n, dtype.itemsize, k, q)
+                    stage[a:b] = src[a:b]
+        win.arrive(offset, "allreduce: data ready")
+        offsets = win.offsets
+        if self.cross_size > 1 and not self.by_slice:
+            self._through_leader(src, out, op, pre, post, lo, hi)
+            win.arrive(offset, "allreduce: results read")
+            return
+        if lo < hi:
+            inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
+                      for q in range(k)]
+            peers = [win.data(q, int(offsets[q]), lo, hi, dtype) for q in range(k) if q != me]
+            mine = out[lo:hi]
+            if self.cross_size == 1:
+                _native.reduce_slices(inputs, [mine] + peers, op, pre, post)
+            else:
+                _native.reduce_slices(inputs, [mine], op, pre, 1.0)
+                self._mpi_allreduce(self.cross, mine, op)
+                _native.reduce_slices([mine], [mine] + peers, op, 1.0, post)
+        win.arrive(offset, "allreduce: results written")
+        if staged:
+            for q in range(k):
+                if q != me:
+                    a, b = slice_bounds(n, dtype.itemsize, k, q)
+                    out[a:b] = stage[a:b]
+
+    def _through_leader(self, src: np.ndarray, out: np.ndarray, op: int, pre: float,
+                        post: float, lo: int, hi: int) -> None:
+        """The cross-node stage when nodes hold different numbers of ranks: every rank reduces
+        its slice into the leader's data (local rank 0's, in the window), the leader
+        allreduces that whole node sum with the other nodes' leaders, and every rank copies
+        the result out of the leader's data, post-scaled. The caller's next arrival tells the
+        leader its data has been read."""
+        win, me, dtype, n = self.window, self.local_rank, out.dtype, out.size
+        offsets = win.offsets
+        total = win.data(0, int(offsets[0]), 0, n, dtype)
+        if lo < hi:
+            inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
+                      for q in range(self.local_size)]
+            _native.reduce_slices(inputs, [total[lo:hi]], op, pre, 1.0)
+        win.arrive(int(offsets[me]), "allreduce: node reduced")
+        if me == 0:
+            self._mpi_allreduce(self.cross, total, op)
+        win.arrive(int(offsets[me]), "allreduce: nodes reduced")
+        _native.reduce_slices([total], [out], op, 1.0, post)
+
+    # -- process sets and lifetime -----------------------------------------------------------------
+    def sub(self, ranks) -> MpiBackend | None:
+        """Collective over this set: a backend for ``ranks`` (None on non-members), staged as
+        this one."""
+        comm = self._sub_comm(ranks)
+        return None if comm is None else create(comm, self.window_bytes, self.timeout_s,
+                                                self.mpi_below_bytes)
+
+    def free(self) -> None:
+        """Locally: keep the window mapped (see :meth:`NodeWindow.retire`), free the
+        communicators."""
+        self.window.retire()
+        for comm in (self.node, self.cross):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        self.node = self.cross = MPI.COMM_NULL
+        super().free()
+
+    def close(self) -> None:
+        """Collective: free the window (see :meth:`NodeWindow.close`), then :meth:`free`."""
+        self.window.close()
+        self.free()
+
+
+def _supported(dtype: np.dtype, op: int) -> bool:
+    """What the native slice reduction takes (src_native/slices.c): 16-bit floats sum, bools
+    take Min and Max, every other dtype Sum, Min, Max and Product."""
+    if dtype in HALF_DTYPES:
+        return op == Sum
+    if dtype == np.bool_:
+        return op in (Min, Max)
+    return op in (Sum, Min, Max, Product) and dtype.kind in "iuf"
+
+
+def create(comm: MPI.Comm, window_bytes: int, timeout_s: float,
+           mpi_below_bytes: int = MPI_BELOW_BYTES) -> MpiBackend:
+    """Collective over ``comm`` (which the backend owns from now on): a
+    :class:`HierarchicalBackend` over the nodes MPI sees (``COMM_TYPE_SHARED``), or a plain
+    :class:`MpiBackend` when every node holds one rank of ``comm`` (plain MPI is then all
+    there is to do). Any number of ranks per node.
+
+    Raises SharedMemoryError when the window cannot be made."""
+    if _native is None:
+        raise SharedMemoryError(
+            "the hierarchical allreduce needs hpc_horovod's native extension (reinstall with an "
+            f"MPI compiler wrapper, mpicc, on the PATH) or {SWITCH_OFF}")
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    if max(comm.allgather(node.Get_size())) == 1:
+        node.Free()
+        return MpiBackend(comm)
+    try:
+        return HierarchicalBackend(comm, node, window_bytes, timeout_s, mpi_below_bytes)
+    except BaseException:
+        node.Free()
+        raise

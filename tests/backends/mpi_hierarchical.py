@@ -1,0 +1,281 @@
+"""Checks of the hierarchical host backend, run by every rank of ``mpirun -np N python -m pytest
+tests/backends/mpi_hierarchical.py`` (``test_hierarchical.py`` launches it at 2, 3 and 4 ranks).
+Every check is collective: each rank runs the same checks in the same order.
+
+The flat path (``MpiBackend``: one ``MPI_Allreduce``) is the reference: integer results must be
+bit-identical, float results equal within one rounding per reduction step."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpc_horovod.backends import hierarchical
+from hpc_horovod.backends.mpi import MpiBackend
+from hpc_horovod.common.errors import SharedMemoryError
+from hpc_horovod.common.types import Max, Min, Product, Sum
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+INTS = [np.int8, np.uint8, np.int16, np.int32, np.int64]
+FLOATS = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+COUNTS = [1, 5, 63, 64, 1000, 100_003]
+
+
+@pytest.fixture(scope="module")
+def flat():
+    backend = MpiBackend(WORLD.Dup())
+    yield backend
+    backend.free()
+
+
+@pytest.fixture(scope="module")
+def hier():
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0, mpi_below_bytes=0)
+    yield backend
+    backend.close()
+
+
+def _values(dtype, count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + RANK)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    return rng.standard_normal(count).astype(dtype)
+
+
+def _both(flat, hier, x: np.ndarray, op: int, pre: float = 1.0, post: float = 1.0):
+    a, b = x.copy(), x.copy()
+    flat.allreduce(a, op, prescale=pre, postscale=post)
+    hier.allreduce(b, op, prescale=pre, postscale=post)
+    return a, b
+
+
+def _ulps(dtype) -> float:
+    """One rounding per reduction step, relative: SIZE - 1 steps of the dtype's epsilon."""
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    return 4 * SIZE * eps
+
+
+def test_small_messages_go_to_mpi(flat):
+    """Below ``mpi_below_bytes`` no arrival happens in the window (MPI's Allreduce); at it, the
+    stages run; both equal flat MPI."""
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0, mpi_below_bytes=4096)
+    try:
+        for count, staged in ((1023, False), (1024, True), (5000, True)):
+            seq = backend.window.seq
+            a, b = _both(flat, backend, _values(np.int32, count, 3), Sum, post=1.0 / SIZE)
+            assert a.tobytes() == b.tobytes(), count
+            assert (backend.window.seq > seq) == staged, count
+    finally:
+        backend.close()
+    assert hierarchical.MPI_BELOW_BYTES > 0
+
+
+def test_single_host_is_hierarchical(hier):
+    assert isinstance(hier, hierarchical.HierarchicalBackend)
+    assert hier.local_size == SIZE and hier.cross_size == 1
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", [Sum, Min, Max, Product], ids=["sum", "min", "max", "product"])
+def test_integers_bit_identical_to_flat(flat, hier, dtype, op):
+    for count in COUNTS:
+        a, b = _both(flat, hier, _values(dtype, count, count), op)
+        assert a.tobytes() == b.tobytes(), (count, a[:8], b[:8])
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=lambda d: np.dtype(d).name)
+def test_integer_average_scaling_bit_identical(flat, hier, dtype):
+    x = (_values(np.int8, 5000, 7).astype(np.int64) // 4).astype(dtype)
+    a, b = _both(flat, hier, x, Sum, pre=1.0, post=1.0 / SIZE)
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+def test_integral_floats_bit_identical(flat, hier, dtype):
+    x = (np.arange(100_003) % 17 + RANK).astype(dtype)
+    a, b = _both(flat, hier, x, Sum)
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (1.0, None), (0.5, None), (1 / 3, 3.0)],
+                         ids=["sum", "average", "prescaled-average", "pre-post"])
+def test_floats_within_one_rounding(flat, hier, dtype, scales):
+    pre, post = scales
+    post = 1.0 / SIZE if post is None else post
+    for count in COUNTS:
+        a, b = _both(flat, hier, _values(dtype, count, count), Sum, pre, post)
+        wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+        scale = np.abs(_values(dtype, count, count).astype(np.float64)).max() * SIZE * pre * post
+        assert np.all(np.abs(wide_a - wide_b) <= _ulps(dtype) * max(scale, 1e-30)), count
+        if SIZE == 2:  # two values: one rounding either way, the same
+            assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("op", [Min, Max], ids=["and", "or"])
+def test_bool(flat, hier, op):
+    x = _values(np.uint8, 1000, 3) % 2 == 0
+    a, b = _both(flat, hier, x, op)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_out_of_place(flat, hier):
+    x = _values(np.float32, 300_001, 11)
+    a, b = np.empty_like(x), np.full_like(x, np.nan)
+    flat.allreduce(a, Sum, send=x, prescale=0.5, postscale=1.0 / SIZE)
+    hier.allreduce(b, Sum, send=x, prescale=0.5, postscale=1.0 / SIZE)
+    np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)
+    assert np.array_equal(x, _values(np.float32, 300_001, 11)), "the input changed"
+
+
+@pytest.mark.parametrize("window", [64 << 10, 1024, 0], ids=["64k", "1k", "0"])
+def test_chunks_of_a_small_window(flat, window):
+    """Tensors many times the staging half go in chunks; a window below a page (a small
+    HOROVOD_FUSION_THRESHOLD, or 0) still gets a page per half."""
+    small = hierarchical.create(WORLD.Dup(), window, 30.0, mpi_below_bytes=0)
+    try:
+        for count in (8191, 8192, 100_001):
+            for dtype in (np.int32, np.int64):
+                a, b = _both(flat, small, _values(dtype, count, 5), Sum)
+                assert a.tobytes() == b.tobytes(), (count, dtype)
+    finally:
+        small.close()
+
+
+def test_bucket_memory_in_place(flat, hier):
+    """A buffer in the window (every rank's, or only some ranks') is reduced where it lies."""
+    x = _values(np.int64, 4000, 9)
+    ref = x.copy()
+    flat.allreduce(ref, Sum)
+    memory = hier.bucket_memory(x.nbytes)
+    assert memory is not None
+    for in_window in (True, RANK % 2 == 0):
+        buf = memory.view(np.int64) if in_window else np.empty_like(x)
+        buf[...] = x
+        hier.allreduce(buf, Sum)
+        assert buf.tobytes() == ref.tobytes()
+    assert hier.bucket_memory(1 << 40) is None
+
+
+#: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal
+LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 2, 1)],
+           5: [(3, 2), (2, 3), (2, 2, 1)]}
+
+
+def test_layouts_bit_identical_to_flat(flat):
+    """Ranks in groups ("nodes") of any sizes: the groups share this host's memory, so the
+    window is real; only the split is chosen here. Equal groups reduce each slice across groups,
+    unequal ones go through each group's leader; integers match flat MPI bit for bit."""
+    for layout in LAYOUTS[SIZE]:
+        node_of = [g for g, n in enumerate(layout) for _ in range(n)]
+        comm = WORLD.Dup()
+        node = comm.Split(color=node_of[RANK], key=RANK)
+        backend = hierarchical.HierarchicalBackend(comm, node, 256 << 10, 30.0,
+                                                   mpi_below_bytes=0)
+        try:
+            assert backend.cross_size == len(layout), layout
+            assert backend.local_size == layout[node_of[RANK]], layout
+            assert backend.by_slice == (len(set(layout)) == 1), layout
+            for dtype, op in ((np.int32, Sum), (np.uint8, Sum), (np.int16, Max),
+                              (np.int64, Product), (np.int8, Min)):
+                for count in (1, 77, 70_001):
+                    a, b = _both(flat, backend, _values(dtype, count, count), op)
+                    assert a.tobytes() == b.tobytes(), (layout, dtype, op, count)
+            x = _values(np.int32, 50_000, 4) // 4
+            a, b = np.empty_like(x), np.full_like(x, -1)
+            flat.allreduce(a, Sum, send=x, postscale=1.0 / SIZE)
+            backend.allreduce(b, Sum, send=x, postscale=1.0 / SIZE)
+            assert a.tobytes() == b.tobytes(), layout
+            x = x[:20_000].copy()  # within the window's half that holds buckets
+            memory = backend.bucket_memory(x.nbytes).view(np.int32)
+            memory[...] = x
+            flat.allreduce(x, Sum)
+            backend.allreduce(memory, Sum)
+            assert memory.tobytes() == x.tobytes(), layout
+            x = _values(np.float32, 50_000, 2)
+            a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)
+            np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)
+            x = (np.arange(1001) % 9 + RANK).astype(np.float16)
+            a, b = _both(flat, backend, x, Sum)
+            assert a.tobytes() == b.tobytes(), layout
+            del memory
+        finally:
+            backend.close()
+
+
+def test_process_set(flat, hier):
+    ranks = [0, SIZE - 1]
+    sub = hier.sub(ranks)
+    assert (sub is not None) == (RANK in ranks)
+    if sub is None:
+        return
+    try:
+        assert isinstance(sub, hierarchical.HierarchicalBackend)
+        x = np.full(1000, RANK + 1, np.int32)
+        sub.allreduce(x, Sum)
+        assert np.all(x == 1 + SIZE)
+    finally:
+        sub.close()
+
+
+def test_window_too_large_fails_with_size_limit_and_switch():
+    with pytest.raises(SharedMemoryError) as info:
+        hierarchical.create(WORLD.Dup(), 1 << 50, 30.0)
+    text = str(info.value)
+    assert f"({SIZE} ranks x {1 << 50} bytes" in text, text
+    assert hierarchical.backing_directory() in text
+    assert "HOROVOD_HIERARCHICAL_ALLREDUCE=0" in text
+
+
+def test_segment_file_unlinked():
+    """The window's file is gone once every rank mapped it: a rank that dies leaves nothing."""
+    directory = hierarchical.backing_directory()
+    before = set(os.listdir(directory))
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0)
+    WORLD.Barrier()
+    host = MPI.Get_processor_name()
+    try:
+        new = [n for n in set(os.listdir(directory)) - before if "osc" in n and host in n]
+        assert new == []
+    finally:
+        backend.close()
+
+
+def test_close_keeps_memory_with_live_views():
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0)
+    view = backend.bucket_memory(4096) if RANK == 0 else None
+    backend.close()
+    if RANK == 0:
+        view[:] = 7  # still mapped: the window was retired, not freed
+    assert backend.window.win is None
+    freed = hierarchical.create(WORLD.Dup(), 1 << 20, 30.0)
+    freed.bucket_memory(4096)
+    retained = len(hierarchical._retained)
+    freed.close()  # no view left on any rank: freed collectively
+    assert len(hierarchical._retained) == retained
+
+
+def test_close_without_a_peer_gives_up_naming_it(caplog):
+    """A rank that does not come to close within the peer timeout is named, and the window
+    retired: nobody hangs, and the late rank, finding the others gone, retires it too."""
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 2.0)
+    late = SIZE - 1
+    with caplog.at_level("WARNING", logger="hpc_horovod"):
+        if RANK != late:
+            backend.close()
+        WORLD.Barrier()
+        if RANK == late:
+            backend.close()
+    assert backend.window.win is None
+    named = re.search(r"rank\(s\) ([\d, ]+) did not arrive", caplog.text)
+    assert named, caplog.text
+    absent = {int(r) for r in named.group(1).split(",")}
+    assert (absent == set(range(SIZE - 1))) if RANK == late else (late in absent), caplog.text

@@ -35,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 #: how long ``init`` waits for every rank to connect to rank 0
@@ -66,6 +67,22 @@ def host_addresses(iface: str | None = None) -> list[str]:
         raise RuntimeError(f"HOROVOD_GLOO_IFACE={iface}: this host has no IPv4 address on "
                            "that interface")
     return sorted(found, key=lambda a: a.startswith("127."))
+
+
+#: the watches of this process: a child it forks (a data loader's worker) closes its copies of
+#: their connections at once, else the connection would outlive this process in the child and
+#: its death would go unnoticed
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for watch in list(_LIVE):
+        for sock in [watch._hub, *watch._peers]:
+            if sock is not None:
+                sock.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -122,6 +139,7 @@ class PeerWatch:
             self.close()
             raise RuntimeError("the ranks could not open their connections to rank 0 (used to "
                                "tell a lost rank at once): " + "; ".join(errors[:4]))
+        _LIVE.add(self)
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-watch",
                                         daemon=True)
         self._thread.start()

@@ -107,7 +107,8 @@ def test_across_two_hosts(two_hosts_job, check):
         assert status == 0, out
 
 
-def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int, str]:
+def _lose_h2(slurm, tmp_path: Path, *srun_flags: str, worker_args: tuple = (),
+             wait_s: float = LOST_HOST_LIMIT_S + GRACE_S) -> tuple[float | None, int, str]:
     """Run lose_host.py, whose ranks on h2 kill themselves at step 5 (under
     ``--kill-on-bad-exit`` SLURM may kill the second before it does). Returns the seconds from
     the first of those deaths to the end of srun (None: srun still ran ``LOST_HOST_LIMIT_S +
@@ -115,7 +116,7 @@ def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int
     mark, log = tmp_path / "killed_at", tmp_path / "srun.out"
     name = f"lose-h2-{os.getpid()}-{tmp_path.name}"
     cmd = [*SRUN_2X2, "-J", name, *srun_flags, sys.executable, str(WORKERS / "lose_host.py"),
-           "h2", str(mark)]
+           "h2", str(mark), *worker_args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=slurm.env(),
                                 cwd=tmp_path)
@@ -132,8 +133,9 @@ def _lose_h2(slurm, tmp_path: Path, *srun_flags: str) -> tuple[float | None, int
             pytest.fail(f"no rank on h2 reached step 5:\n{log.read_text()}")
         killed_at = min(float(m.read_text()) for m in marks)
         try:
-            proc.wait(timeout=max(0.0, killed_at + LOST_HOST_LIMIT_S + GRACE_S - time.time()))
+            proc.wait(timeout=max(0.0, killed_at + wait_s - time.time()))
             took = time.time() - killed_at
+            (tmp_path / "killed_at").write_text(repr(killed_at))
         except subprocess.TimeoutExpired:
             took = None
     finally:
@@ -177,6 +179,22 @@ def test_a_lost_host_ends_the_job_under_plain_srun(slurm, tmp_path):
     survivors = "\n".join(line for line in out.splitlines() if line.startswith(("0: ", "1: ")))
     _check_lost_host(took, returncode, out, survivors)
     print(f"plain srun: the job ended {took:.1f} s after the ranks on h2 died")
+
+
+def test_a_child_of_a_lost_rank_does_not_hide_its_death(slurm, tmp_path):
+    # each rank forked a child (a data loader's worker) that outlives it; the ones on h2 live
+    # 15 s longer: the survivors must still stop within the limit, naming the loss (the step
+    # itself ends only once those children are gone)
+    took, returncode, out = _lose_h2(slurm, tmp_path, worker_args=("fork",), wait_s=60)
+    assert took is not None and returncode != 0, out
+    killed_at = float((tmp_path / "killed_at").read_text())
+    stops = [float(m) for m in re.findall(r"^[01]: rank [01]: stopped at ([0-9.]+)$", out, re.M)]
+    assert len(stops) == 2, out
+    assert max(stops) - killed_at < LOST_HOST_LIMIT_S, out
+    survivors = "\n".join(line for line in out.splitlines() if line.startswith(("0: ", "1: ")))
+    assert _names_the_loss(survivors), out
+    print(f"with forked children: the survivors stopped {max(stops) - killed_at:.1f} s after "
+          "the ranks on h2 died")
 
 
 def test_a_slow_rank_is_not_taken_for_a_lost_one(slurm):

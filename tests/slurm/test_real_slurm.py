@@ -180,7 +180,8 @@ def test_doctor_reports_every_rank(slurm):
     assert [r[2] for r in rows] == ["h1", "h1", "h2", "h2"]
     assert [r[3] for r in rows] == ["0/2", "1/2", "0/2", "1/2"]
     assert [r[4] for r in rows] == ["0/2", "0/2", "1/2", "1/2"]
-    assert all(r[5] == "0,1" for r in rows), rows
+    assert all(r[5] == "1/2" for r in rows), rows  # OMP_NUM_THREADS=1, 2 CPUs per task
+    assert all(r[6] == "0,1" for r in rows), rows
     assert lines[-1] == "verdict: ready", proc.stdout
 
 

@@ -126,14 +126,19 @@ class Job:
         if (parent / PAYLOAD).exists() and not any(parent.glob(f"*/{RECORD}")):
             shutil.rmtree(parent, ignore_errors=True)  # the last element of an array
 
-    def record(self) -> dict[str, str]:
-        """``scontrol show job`` as a dict; empty once SLURM has forgotten the job."""
-        proc = _client("scontrol", "-o", "show", "job", self.job_id)
-        if proc.returncode != 0:
+    def record(self, tries: int = 3) -> dict[str, str]:
+        """``scontrol show job`` as a dict; empty once SLURM has forgotten the job. A failed
+        ``scontrol`` (a busy controller) is asked again, ``tries`` times in all."""
+        for attempt in range(tries):
+            proc = _client("scontrol", "-o", "show", "job", self.job_id)
+            if proc.returncode == 0:
+                return dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
             if "Invalid job id" in proc.stderr:
                 return {}
-            raise RuntimeError(f"scontrol show job {self.job_id}: {proc.stderr.strip()}")
-        return dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
+            if attempt + 1 < tries:
+                clock.sleep(1.0)
+        raise RuntimeError(f"scontrol show job {self.job_id} failed {tries} times (exit status "
+                           f"{proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
 
     def state(self) -> str:
         """PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...; UNKNOWN once SLURM forgot it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import re
 import sys
 
 from .launch import exit_status
@@ -27,13 +28,38 @@ COMMAND_MODULES = (
 )
 
 
+#: a reST role (``:func:`~a.b.c```), a literal (````x````) or interpreted text (```x```)
+_REST = re.compile(r":[a-z]+:`(~?)([^`]+)`|``([^`]+)``|`([^`]+)`")
+
+
+def _plain_match(match: re.Match) -> str:
+    tilde, target, literal, text = match.groups()
+    if target is not None:
+        return target.rsplit(".", 1)[-1] if tilde else target
+    return literal if literal is not None else text
+
+
+def plain(text: str) -> str:
+    """``text`` with its reST markup as a terminal shows it: ````srun hpc-horovod doctor````
+    becomes srun hpc-horovod doctor, ``:func:`~hpc_horovod.slurm.submit``` becomes submit.
+
+    The help texts come from docstrings written for Sphinx; a terminal would show their
+    backticks and roles as they are."""
+    return _REST.sub(_plain_match, text)
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that takes no abbreviation of a long option, for itself and for
-    every sub-command parser made from it (``add_subparsers`` makes parsers of its class)."""
+    every sub-command parser made from it (``add_subparsers`` makes parsers of its class), and
+    whose help shows the docstrings it is made from without their reST markup
+    (:func:`plain`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
 
 
 def _parser_for(parser: argparse.ArgumentParser, args: argparse.Namespace

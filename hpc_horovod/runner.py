@@ -27,6 +27,7 @@ import tempfile
 import threading
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +38,8 @@ from .checkpoint import atomic_write
 from .launch import Launch, build_command, launcher_env
 
 PAYLOAD = "payload.pkl"
+#: a payload above this many bytes is worth a warning: every job writes it, every rank reads it
+PAYLOAD_WARN_BYTES = 64 * 2**20
 
 
 def worker_command(folder: Path, executable: str | None = None) -> tuple[str, ...]:
@@ -55,21 +58,82 @@ def package_root() -> str:
 
 
 def write_payload(folder: Path, fn: Callable, args: Sequence = (),
-                  kwargs: Mapping[str, Any] | None = None) -> Path:
-    """Pickle ``fn``, its arguments and this interpreter's ``sys.path`` into ``folder``."""
+                  kwargs: Mapping[str, Any] | None = None, *,
+                  calls: Sequence[Sequence] | None = None) -> Path:
+    """Pickle ``fn``, its arguments and this interpreter's ``sys.path`` into ``folder``.
+
+    ``calls``: the arguments of each element of a job array, instead of ``args``; element ``i``
+    (``SLURM_ARRAY_TASK_ID``) calls ``fn(*calls[i], **kwargs)`` and writes its results in
+    ``folder/<i>``. A payload above :data:`PAYLOAD_WARN_BYTES` is written with a warning that
+    says what it holds.
+    """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
-    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
-        raise TypeError(f"args must be a tuple or list of arguments, got {args!r}")
+    array = calls is not None
+    for what, value in ([(f"calls[{i}]", c) for i, c in enumerate(calls)] if array
+                        else [("args", args)]):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TypeError(f"{what} must be a tuple or list of arguments, got {value!r}")
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a dict, got {kwargs!r}")
-    payload = (fn, tuple(args), dict(kwargs or {}), list(sys.path), code_files(fn))
+    arguments = [tuple(c) for c in calls] if array else [tuple(args)]
+    payload = (fn, arguments, dict(kwargs or {}), list(sys.path), code_files(fn), array)
     try:
         data = cloudpickle.dumps(payload)
     except Exception as exc:
         raise TypeError(f"{getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled "
                         f"to reach the ranks: {exc}") from exc
+    if len(data) > PAYLOAD_WARN_BYTES:
+        warnings.warn(payload_warning(len(data), folder, fn, arguments, kwargs or {}),
+                      stacklevel=3)
     return atomic_write(folder / PAYLOAD, lambda fh: fh.write(data))
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+
+
+def captured(fn: Callable, calls: Sequence[tuple], kwargs: Mapping[str, Any]
+             ) -> list[tuple[str, int]]:
+    """What a payload carries, each with its pickled size, largest first: the arguments, and
+    the closure variables and globals of the functions that travel by value (those of
+    ``__main__``, a notebook's, or of a module the ranks could not import)."""
+    items: dict[str, Any] = {}
+    for i, args in enumerate(calls):
+        prefix = f"calls[{i}]" if len(calls) > 1 else "args"
+        items.update((f"{prefix}[{j}]", value) for j, value in enumerate(args))
+    items.update((f"kwargs[{key!r}]", value) for key, value in kwargs.items())
+    for function in _functions(fn):
+        if function.__module__ != "__main__" and function.__module__ in sys.modules:
+            continue
+        code = function.__code__
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            if _filled(cell) and not callable(cell.cell_contents):
+                items[f"{name} (closed over by {function.__name__})"] = cell.cell_contents
+        for name in code.co_names:
+            value = function.__globals__.get(name)
+            if value is not None and not callable(value) and not isinstance(value,
+                                                                             types.ModuleType):
+                items[f"global {name} (used by {function.__name__})"] = value
+    sizes = []
+    for label, value in items.items():
+        try:
+            sizes.append((label, len(cloudpickle.dumps(value))))
+        except Exception:  # noqa: BLE001 - what cannot be measured is left out of the list
+            continue
+    return sorted(sizes, key=lambda item: item[1], reverse=True)
+
+
+def payload_warning(size: int, folder: Path, fn: Callable, calls: Sequence[tuple],
+                    kwargs: Mapping[str, Any]) -> str:
+    """The warning for a large payload: its size, its largest parts, and the way out."""
+    largest = [f"{label} {_mb(n)}" for label, n in captured(fn, calls, kwargs)[:3]
+               if n >= size // 100]
+    return (f"the payload of {getattr(fn, '__name__', fn)!r} is {_mb(size)} "
+            f"({folder / PAYLOAD}, written for every job and read by every rank)"
+            + (f"; it carries {', '.join(largest)}" if largest else "")
+            + ": load large data inside the function (from a file the nodes see) instead of "
+              "capturing it")
 
 
 def _functions(fn: Callable):
@@ -129,6 +193,11 @@ def restore_files(fn: Callable, files: Mapping[str, str]) -> None:
         function.__code__ = _named(function.__code__, files)
 
 
+def element_folder(folder: Path, index: int) -> Path:
+    """Where element ``index`` of a job array writes its results."""
+    return folder / str(index)
+
+
 def rank_file(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.pkl"
 
@@ -151,7 +220,12 @@ def worker(folder: Path) -> int:
     rank = topology.detect().rank
     with open(folder / PAYLOAD, "rb") as fh:
         data = fh.read()
-    fn, args, kwargs, paths, files = _load(data, folder / PAYLOAD)
+    fn, calls, kwargs, paths, files, array = _load(data, folder / PAYLOAD)
+    if array:  # an element of a job array: its own arguments, its own results
+        index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        args, folder = calls[index], element_folder(folder, index)
+    else:
+        (args,) = calls
     sys.path.extend(p for p in paths if p not in sys.path)
     restore_files(fn, files)
     try:

@@ -20,12 +20,28 @@ class TensorTimes:
     count: int = 0
 
 
+#: what :func:`load_events` reads, as its errors say it
+EXPECTED = ("a HOROVOD_TIMELINE file: a JSON list of trace events such as "
+            '[{"name": "process_name", "ph": "M", "pid": 1, ...}, ...]')
+
+
 def load_events(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
+    """The trace events of a timeline file; a ValueError naming the file and what it holds
+    instead when it is not one."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
         text = fh.read().strip()
     if text.startswith("[") and not text.endswith("]"):
         text = text.rstrip(",\n") + "]"  # a file cut short by a killed job is still readable
-    return json.loads(text)
+    try:
+        events = json.loads(text)
+    except json.JSONDecodeError as exc:
+        start = text[:40] + ("..." if len(text) > 40 else "")
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno}; it starts {start!r}): expected {EXPECTED}") from None
+    if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+        raise ValueError(f"{path} holds JSON but not a list of events (a "
+                         f"{type(events).__name__}): expected {EXPECTED}")
+    return events
 
 
 def summarize(events: list[dict]) -> list[TensorTimes]:

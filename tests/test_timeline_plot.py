@@ -58,3 +58,19 @@ def test_empty_timeline_is_an_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpc_horovod.cli", "timeline", str(trace)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no tensor events" in proc.stderr
+
+
+def test_a_file_that_is_not_a_timeline_is_named(tmp_path):
+    """Not JSON, or JSON but no list of events: the error names the file, what it holds and what
+    a timeline is."""
+    for name, text, says in (("log.txt", "step 1 loss 0.3\n", "is not JSON (Expecting value "
+                              "at line 1 column 1; it starts 'step 1 loss 0.3')"),
+                             ("dict.json", '{"ph": "B"}', "holds JSON but not a list of events "
+                              "(a dict)")):
+        trace = tmp_path / name
+        trace.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "hpc_horovod.cli", "timeline", str(trace)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert f"{trace} {says}: expected a HOROVOD_TIMELINE file: a JSON list" in proc.stderr, \
+            proc.stderr

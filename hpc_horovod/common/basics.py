@@ -231,6 +231,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     if os.environ.get("HPC_HOROVOD_REQUEUE_SIGNAL"):  # SLURM may send it while the job starts
         importlib.import_module("hpc_horovod.slurm.requeue").catch_early_signal()
     _runtime = Runtime(comm, process_sets or ())
+    importlib.import_module("hpc_horovod.slurm.preflight").warn_threads(_runtime.topology)
     _install_hooks()
 
 

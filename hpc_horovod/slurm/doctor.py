@@ -2,7 +2,8 @@
 
 Run it exactly as the training will run (``srun hpc-horovod doctor`` in the job script or an
 allocation) before the real job: rank 0 prints the launcher, one line per rank (rank, host,
-SLURM node, local rank, node index, visible GPUs) and the preflight verdict. When a process
+SLURM node, local rank, node index, visible GPUs, compute threads against the CPUs SLURM
+allocated to the task) and the preflight verdict. When a process
 cannot even start MPI (a batch script without srun, ``--mpi=none``), each process prints its own
 diagnosis instead, since they cannot be gathered.
 """
@@ -29,8 +30,16 @@ def describe(report: preflight.Report, topo: Topology, env: Mapping[str, str]) -
         "cross": f"{topo.cross_rank}/{topo.cross_size}",
         "launcher": topo.launcher,
         "gpus": "-" if report.visible_gpus is None else (",".join(report.visible_gpus) or "none"),
+        "threads": _threads(env, topo),
         "findings": [(f.level, f.message) for f in report.findings],
     }
+
+
+def _threads(env: Mapping[str, str], topo: Topology) -> str:
+    """``threads/allocated CPUs`` of this rank (``-`` where unknown)."""
+    count = preflight.threads(env)[0]
+    cpus = preflight.allocated_cpus(env, topo)
+    return f"{'-' if count is None else count}/{'-' if cpus is None else cpus}"
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -53,10 +62,11 @@ def format_table(rows: Sequence[dict], env: Mapping[str, str]) -> str:
     where = f" (SLURM job {job}, step {env.get('SLURM_STEP_ID', '-')})" if job else ""
     lines = [f"hpc_horovod doctor: {rows[0]['launcher']} launch, {len(rows)} process(es) on "
              f"{nodes} node(s){where}",
-             f"{'rank':>4}  {'host':<16} {'node':<10} {'local':>7} {'cross':>7}  visible GPUs"]
+             f"{'rank':>4}  {'host':<16} {'node':<10} {'local':>7} {'cross':>7} "
+             f"{'threads/CPUs':>12}  visible GPUs"]
     for r in rows:
         lines.append(f"{r['rank']:>4}  {r['host']:<16} {r['node']:<10} {r['local']:>7} "
-                     f"{r['cross']:>7}  {r['gpus']}")
+                     f"{r['cross']:>7} {r.get('threads', '-'):>12}  {r['gpus']}")
     grouped: dict[tuple[str, str], list[int]] = {}
     for r in rows:
         for level, message in r["findings"]:

@@ -9,12 +9,17 @@
   ``--mpi=pmi2`` only suits MPICH-family libraries;
 - tasks against GPUs: more tasks on a node than GPUs they can see, GPUs left idle, and
   ``CUDA_VISIBLE_DEVICES`` restricted to one device per task by ``--gpus-per-task`` (where
-  ``torch.cuda.set_device(hvd.local_rank())`` fails on every local rank but 0).
+  ``torch.cuda.set_device(hvd.local_rank())`` fails on every local rank but 0);
+- threads against CPUs: each rank's compute threads (``OMP_NUM_THREADS``, or torch's pool when
+  torch is imported) against the CPUs SLURM allocated to its task; a plain ``srun -n 2 python
+  train.py`` in an allocation otherwise runs a pool as large as the node on every rank.
+  :func:`warn_threads` says it once, from ``hvd.init()`` on rank 0, when it is certain.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -136,6 +141,90 @@ def check_gpus(env: Mapping[str, str], topo: topology_mod.Topology | None,
     return [Finding(OK, f"{tasks} task(s) for {count} GPU(s) on {node}")]
 
 
+def threads(env: Mapping[str, str]) -> tuple[int | None, str]:
+    """The compute threads of this process and where the number comes from: torch's pool when
+    torch is imported, else ``OMP_NUM_THREADS``; None when neither says (OpenMP then starts one
+    per CPU the process may run on)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        return torch.get_num_threads(), "torch.get_num_threads()"
+    value = _int(env, "OMP_NUM_THREADS")
+    if value is not None and value > 0:
+        return value, f"OMP_NUM_THREADS={value}"
+    return None, "OMP_NUM_THREADS unset"
+
+
+def allocated_cpus(env: Mapping[str, str], topo: topology_mod.Topology | None
+                   ) -> int | None:
+    """The CPUs SLURM allocated to this task: ``SLURM_CPUS_PER_TASK``, else the node's share
+    (``SLURM_CPUS_ON_NODE`` over the tasks on it); None outside SLURM."""
+    per_task = _int(env, "SLURM_CPUS_PER_TASK")
+    if per_task:
+        return per_task
+    on_node = _int(env, "SLURM_CPUS_ON_NODE")
+    if on_node:
+        return max(1, on_node // ((topo.local_size if topo is not None else None) or 1))
+    return None
+
+
+def check_threads(env: Mapping[str, str], topo: topology_mod.Topology | None,
+                  affinity: int | None = None) -> list[Finding]:
+    """This rank's threads against the CPUs SLURM allocated to its task and those it may run
+    on (``affinity``, default ``os.sched_getaffinity``)."""
+    allocated = allocated_cpus(env, topo)
+    if allocated is None:
+        return []
+    affinity = len(os.sched_getaffinity(0)) if affinity is None else affinity
+    count, source = threads(env)
+    fix = (f"one thread per allocated CPU, as the generated job scripts do: export "
+           f"OMP_NUM_THREADS={allocated} before srun (or torch.set_num_threads({allocated}))")
+    local = (topo.local_size if topo is not None else None) or 1
+    if count is None:
+        if affinity <= allocated:
+            return [Finding(OK, f"{source}: OpenMP runs one thread per CPU of the task's "
+                            f"{affinity}")]
+        return [Finding(WARNING, f"{source}: each of the {local} rank(s) on this node starts "
+                        f"a thread per CPU it may run on ({affinity}), for {allocated} CPU(s) "
+                        f"SLURM allocated to its task; {fix}")]
+    if count > allocated:
+        return [Finding(WARNING, f"{count} threads per rank ({source}) for {allocated} CPU(s) "
+                        f"SLURM allocated to the task ({affinity} it may run on): the "
+                        f"{local} rank(s) of this node oversubscribe their CPUs; {fix}")]
+    return [Finding(OK, f"{count} thread(s) per rank ({source}) for {allocated} allocated "
+                    "CPU(s)")]
+
+
+def thread_warning(env: Mapping[str, str], topo: topology_mod.Topology) -> str | None:
+    """What :func:`warn_threads` prints, when it is certain that this rank's thread pool is
+    larger than its CPUs: more threads than CPUs it may run on, or (in SLURM) the node's
+    ranks together running more threads than the node's allocated CPUs."""
+    count, source = threads(env)
+    if count is None:
+        return None
+    affinity = len(os.sched_getaffinity(0))
+    on_node = _int(env, "SLURM_CPUS_ON_NODE")
+    local = topo.local_size or 1
+    if count > affinity:
+        excess = f"{count} threads per rank ({source}) for the {affinity} CPU(s) it may run on"
+    elif on_node and count * local > on_node:
+        excess = (f"{local} ranks on this node x {count} threads ({source}) = {count * local} "
+                  f"threads for the {on_node} CPU(s) SLURM allocated on it")
+    else:
+        return None
+    cpus = allocated_cpus(env, topo) or max(1, affinity // local)
+    return (f"[hpc_horovod] warning: {excess}: the threads slow each other down; one thread per "
+            f"allocated CPU, as the generated job scripts do: export OMP_NUM_THREADS={cpus} "
+            f"(or torch.set_num_threads({cpus})); hpc-horovod doctor shows every rank's")
+
+
+def warn_threads(topo: topology_mod.Topology, env: Mapping[str, str] | None = None) -> None:
+    """Called by ``hvd.init()``: rank 0 prints :func:`thread_warning` to stderr, if any."""
+    if topo.rank == 0:
+        text = thread_warning(os.environ if env is None else env, topo)
+        if text is not None:
+            print(text, file=sys.stderr, flush=True)
+
+
 def check(env: Mapping[str, str] | None = None, hostname: str | None = None) -> Report:
     """All the checks for this process (default: ``os.environ``)."""
     env = dict(os.environ if env is None else env)
@@ -143,4 +232,5 @@ def check(env: Mapping[str, str] | None = None, hostname: str | None = None) -> 
     gpus = visible_gpus(env)
     findings += check_mpi_plugin(env, topo)
     findings += check_gpus(env, topo, gpus)
+    findings += check_threads(env, topo)
     return Report(topo, gpus, tuple(findings))

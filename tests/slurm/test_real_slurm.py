@@ -180,7 +180,8 @@ def test_doctor_reports_every_rank(slurm):
     assert [r[2] for r in rows] == ["h1", "h1", "h2", "h2"]
     assert [r[3] for r in rows] == ["0/2", "1/2", "0/2", "1/2"]
     assert [r[4] for r in rows] == ["0/2", "0/2", "1/2", "1/2"]
-    assert all(r[5] == "0,1" for r in rows), rows
+    assert all(r[5] == "1/1" for r in rows), rows  # OMP_NUM_THREADS=1, a CPU per task
+    assert all(r[6] == "0,1" for r in rows), rows
     assert lines[-1] == "verdict: ready", proc.stdout
 
 
@@ -271,7 +272,7 @@ def test_gpus_means_what_sbatch_means(slurm, tmp_path):
         assert record["JobState"] == "COMPLETED", f"{record}\n{out}"
         lines = [line.split("GPUS ", 1)[1].split() for line in out.splitlines() if "GPUS " in line]
         seen[name] = {node: len(gpus[0].split(",")) if gpus else 0 for node, *gpus in lines}
-    assert seen["ours"] == {"n1": 1, "n2": 1}, seen
+    assert seen["ours"] == {"h1": 1, "h2": 1}, seen
     assert sum(seen["theirs"].values()) == sum(seen["ours"].values()) == 2, seen
 
 

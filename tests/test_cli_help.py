@@ -1,0 +1,28 @@
+"""``hpc-horovod ... --help``: the help texts that come from docstrings show no reST markup."""
+
+import pytest
+
+from hpc_horovod.cli import build_parser, plain
+
+
+def test_plain_drops_rest_markup():
+    assert plain("run it as ``srun hpc-horovod doctor`` or `srun`") == \
+        "run it as srun hpc-horovod doctor or srun"
+    assert plain(":func:`~hpc_horovod.slurm.submit` and :data:`a.B`") == "submit and a.B"
+    assert plain("no markup: 'quoted' %x-%j.out") == "no markup: 'quoted' %x-%j.out"
+
+
+def _commands():
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if a.dest == "subcommand"]
+    return parser, action.choices
+
+
+@pytest.mark.parametrize("name", sorted(_commands()[1]))
+def test_no_backticks_in_help(name, capsys):
+    parser, commands = _commands()
+    with pytest.raises(SystemExit):
+        parser.parse_args([name, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hpc-horovod {name}") and "`" not in out, out
+    assert "`" not in parser.format_help()

@@ -147,7 +147,7 @@ class Runtime:
     def tell_peers(self, reason: str) -> None:
         """This rank stops on an error of its own: the peers' engines stop with ``reason``,
         whatever they are doing, and their errors name this rank."""
-        if self.watch is not None and not self.told and self.engine._alarm.error is None:
+        if self.watch is not None and not self.told and self.engine.peer_error is None:
             self.told = True
             self.watch.tell(reason)
 

@@ -403,6 +403,11 @@ class Engine:
         self._wake()
 
     @property
+    def peer_error(self) -> HorovodInternalError | None:
+        """The error a failed or lost peer brought (see :meth:`peer_failed`), if any."""
+        return self._alarm.error
+
+    @property
     def stopped(self) -> bool:
         """The engine ran its last cycle (shut down, or failed): a new one is needed."""
         return self._stopped

@@ -280,7 +280,9 @@ def _env(package_dir: Path = ROOT, extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "HOROVOD_HIERARCHICAL_ALLREDUCE"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                     [str(package_dir)] + [p for p in [env.get("PYTHONPATH")] if p]),
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                # on a loaded machine a rank may import torch for minutes before its peers
+                "HOROVOD_PEER_TIMEOUT_SECONDS": "600"})
     env.update(extra or {})
     return env
 

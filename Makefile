@@ -33,10 +33,12 @@ test: venv
 lint: venv
 	$(PY) -m ruff check .
 
-# Results in benchmarks/results/ (committed), the report in benchmarks/RESULTS.md.
+# Results in benchmarks/results/ (committed), the report in benchmarks/RESULTS.md. BEFORE=DIR:
+# the training benchmark also runs the checkout in DIR (its extension built in place), the
+# reference of its speed-ups.
 bench: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py
-	$(PY) benchmarks/training.py --processes 2
+	$(PY) benchmarks/training.py --processes 2 $(if $(BEFORE),--compare-with $(BEFORE))
 	$(PY) benchmarks/report.py
 
 clean:

@@ -64,11 +64,15 @@ def verdict(value: float | None, goal: str) -> str:
 def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
     rows = []  # [what, measured, goal]
     if training is not None:
-        for n in sorted({c["processes"] for c in training["configurations"]}):
-            ratio = training_ratio(training, training["ours"], n)
-            rows.append([f"{training['ours']} training throughput / {training['baseline']}, "
-                         f"{n} process(es) (median of per-round ratios)", ratio, "-"])
-        rounds = training["one_process_step"].get(training["ours"], [])
+        ours, reference = training["ours"], training.get("reference")
+        for model, result in training["models"].items():
+            mine = next(c for c in result["configurations"] if c["name"] == ours)
+            if reference is not None:
+                rows.append([f"{model}: {ours} steps/s / {reference}'s (median of per-round "
+                             "ratios)", mine["vs_reference"]["median"], ">= 1.15"])
+            rows.append([f"{model}: {ours} scaling efficiency (steps/s / {training['limit']}'s, "
+                         "median of per-round ratios)", mine["efficiency"]["median"], ">= 0.85"])
+        rounds = training["one_process_step"].get(ours, [])
         ratio = statistics.median(r["ratio"] for r in rounds) if rounds else None
         rows.append(["One process: DistributedOptimizer step / plain optimizer step "
                      "(median over rounds)", ratio, "<= 1.02"])
@@ -80,6 +84,11 @@ def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
             speeds = [1 / r["ratio"] for r in big if r["case"] == case and r["ratio"]]
             rows.append([f"{case}, 16 MiB and larger: speed vs {sweep['baseline']} "
                          "(worst size)", min(speeds) if speeds else None, ">= 0.95"])
+        for case, goal in (("hvd.allreduce_", "<= 0.5"), ("hvd.allreduce", "<= 0.83")):
+            at = [r for r in sweep["rows"] if r["bytes"] == 16 * MIB and r["case"] == case]
+            if at:
+                rows.append([f"{case}, 16 MiB: time / {sweep['baseline']}'s", at[0]["ratio"],
+                             goal])
         small = allreduce["sections"]["small"]
         for r in small["rows"]:
             if r["case"].startswith("hvd"):
@@ -153,45 +162,50 @@ def draw(result: dict, path: Path) -> None:
 
 # -- training ----------------------------------------------------------------------------------
 
-def training_ratio(result: dict, name: str, n: int) -> float | None:
-    runs = {(c["name"], c["processes"]): c["rounds_img_per_sec_total"]
-            for c in result["configurations"]}
-    if (name, n) not in runs or (result["baseline"], n) not in runs:
-        return None
-    return statistics.median(a / b for a, b in zip(runs[name, n], runs[result["baseline"], n]))
+def _spread(r: dict, percent: bool = False) -> str:
+    if percent:
+        return f"{r['median']:.0%} ({r['min']:.0%} - {r['max']:.0%})"
+    return f"x{r['median']:.3f} (x{r['min']:.3f} - x{r['max']:.3f})"
 
 
 def training_lines(result: dict) -> list[str]:
-    meta = result["meta"]
+    meta, reference = result["meta"], result.get("reference")
     lines = ["## Training throughput", "", *run_lines(meta),
-             f"A small CNN, batch {meta['batch_size']} per process, one compute thread per "
-             f"process, {meta['steps']} timed steps after {meta['warmup']}; {meta['rounds']} "
-             "rounds, every configuration once per round. Throughput is the median over rounds "
-             "of the images per second of all processes; the ratio to the baseline is taken "
-             "round by round; scaling efficiency = throughput with n processes / (n x with "
-             "one).", ""]
-    single = {c["name"]: statistics.median(c["rounds_img_per_sec_total"])
-              for c in result["configurations"] if c["processes"] == 1}
-    rows = []
-    for c in result["configurations"]:
-        totals, n = c["rounds_img_per_sec_total"], c["processes"]
-        ratio = training_ratio(result, c["name"], n)
-        median = statistics.median(totals)
-        rows.append([c["name"], n, f"{median:.1f}", f"{min(totals):.1f} - {max(totals):.1f}",
-                     "-" if ratio is None else f"x{ratio:.3f}",
-                     f"{median / (n * single[c['name']]):.0%}" if c["name"] in single else "-"])
-    lines += table(["configuration", "processes", "img/s", "range over rounds",
-                    f"ratio to {result['baseline']}", "scaling efficiency"], rows)
-    lines += [f"One process, {meta['step_pairs']} steps of each alternated per round: the "
-              "training step with DistributedOptimizer against the plain optimizer it wraps "
-              "(two copies of one model).", ""]
-    lines += table(["code", "plain step", "DistributedOptimizer step", "ratio (median)",
-                    "ratio range"], [
-        [name, fmt_time(statistics.median(r["plain_median_s"] for r in rounds)),
-         fmt_time(statistics.median(r["distributed_median_s"] for r in rounds)),
-         f"x{statistics.median(r['ratio'] for r in rounds):.3f}",
-         f"x{min(r['ratio'] for r in rounds):.3f} - x{max(r['ratio'] for r in rounds):.3f}"]
-        for name, rounds in result["one_process_step"].items()])
+             f"{meta['processes']} processes, one compute thread each, {meta['steps']} timed "
+             f"steps after {meta['warmup']}; {meta['rounds']} rounds, every configuration once "
+             "per round (in an order rotating from round to round). A job's rate is its steps "
+             "per second (timed steps over the time of its slowest process): the median over "
+             "rounds, and its range. Ratios are taken round by round: median (range). Scaling "
+             f"efficiency is the rate over the rate of the {result['limit']} (every process "
+             "at once, no communication: the limit) in the same round. The last bucket's "
+             "exposed time: from the arrival of backward's last gradient to the end of the "
+             "reductions (median over rounds of each run's median step).", ""]
+    for model, section in result["models"].items():
+        lines += [f"### {model}: {section['description']}", ""]
+        rows = []
+        for c in section["configurations"]:
+            rates = c["rounds_steps_per_sec"]
+            exposed = c.get("rounds_last_bucket_exposed_ms")
+            rows.append([c["name"], f"{statistics.median(rates):.2f}",
+                         f"{min(rates):.2f} - {max(rates):.2f}",
+                         _spread(c["vs_reference"]) if "vs_reference" in c else "-",
+                         _spread(c["efficiency"], percent=True),
+                         f"{statistics.median(exposed):.2f} ms" if exposed else "-"])
+        lines += table(["configuration", "steps/s", "range over rounds",
+                        f"ratio to {reference}" if reference else "ratio to the reference",
+                        "scaling efficiency", "last bucket exposed"], rows)
+    steps = result["one_process_step"]
+    if steps:
+        lines += [f"One process, {meta['step_pairs']} CNN steps of each alternated per round: "
+                  "the training step with DistributedOptimizer against the plain optimizer it "
+                  "wraps (two copies of one model).", ""]
+        lines += table(["code", "plain step", "DistributedOptimizer step", "ratio (median)",
+                        "ratio range"], [
+            [name, fmt_time(statistics.median(r["plain_median_s"] for r in rounds)),
+             fmt_time(statistics.median(r["distributed_median_s"] for r in rounds)),
+             f"x{statistics.median(r['ratio'] for r in rounds):.3f}",
+             f"x{min(r['ratio'] for r in rounds):.3f} - x{max(r['ratio'] for r in rounds):.3f}"]
+            for name, rounds in steps.items()])
     return lines
 
 

@@ -1,28 +1,41 @@
-"""Training throughput and scaling: hpc_horovod (torch and TensorFlow) against torch
-DistributedDataParallel and, when it is importable, Horovod.
+"""Training throughput and scaling of data-parallel training on the host: hpc_horovod's
+paths against the code before a change, torch DistributedDataParallel, and the limit.
 
-    python benchmarks/training.py [--rounds 5] [--compare-with ../before]
+    python benchmarks/training.py [--processes 2] [--rounds 5] [--compare-with ../before]
 
-One run measures the same model (a small CNN, built in torch and in Keras with the same layers)
-on the same synthetic data with 1 and ``--processes`` processes, for:
+Two models on synthetic data, every process with one compute thread:
 
-* ``hpc_horovod.torch.DistributedOptimizer`` (launched with ``hpc-horovod run``);
-* with ``--compare-with DIR``, the same torch worker importing ``hpc_horovod`` from ``DIR``
-  (another checkout of this project with its native extension built in place, e.g. the code
-  before a change): a before/after comparison in one run;
-* ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step (same launcher);
-* torch's ``DistributedDataParallel`` over gloo (the baseline; env:// rendezvous on 127.0.0.1);
-* ``horovod.torch.DistributedOptimizer`` when Horovod is importable (skipped, and said so, when
-  not).
+* ``mlp``: a communication-heavy multilayer perceptron (four 1024-wide layers, more than
+  10 MB of float32 gradients per step for little compute);
+* ``cnn``: a small CNN (also built in Keras, for the TensorFlow binding).
 
-It also times, in one process, a training step with ``DistributedOptimizer`` against the same
-step with the plain optimizer it wraps (two copies of one model, steps alternated), which
-shows what the wrapper costs when there is nothing to reduce.
+For each model, ``--processes`` processes run, in every round (in an order that rotates from
+round to round, so that load from elsewhere hits them alike):
 
-Every process uses one compute thread. Each configuration runs ``--rounds`` times, interleaved
-with the others, so that load from elsewhere hits them alike; the ratios are taken round by
-round. Results go to ``benchmarks/results/training.json``; ``benchmarks/report.py`` turns them
-into ``benchmarks/RESULTS.md``.
+* ``hpc_horovod.torch.DistributedOptimizer`` as it is (the hierarchical host path, the
+  default), launched with ``hpc-horovod run``;
+* the same with ``HOROVOD_HIERARCHICAL_ALLREDUCE=0`` (flat MPI);
+* with ``--compare-with DIR``, the same worker importing ``hpc_horovod`` (launcher included)
+  from ``DIR``, another checkout of this project with its native extension built in place
+  (e.g. the code before a change): the reference of the speed-ups;
+* torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
+* the limit: the plain optimizer in every process at once, with no communication (the
+  processes only meet once before timing);
+* for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step,
+  and ``horovod.torch`` when Horovod is importable (skipped, and said so, when not).
+
+A job's rate is its steps per second: timed steps over the time of its slowest process.
+Scaling efficiency is a configuration's rate over the limit's in the same round; ratios are
+taken round by round. hpc_horovod's workers also measure the exposed time of the last bucket:
+from the arrival of the last gradient of backward (the first parameter's) to the end of the
+reductions (``optimizer.synchronize()``), the communication that backward did not hide.
+
+It also times, in one process, the CNN's training step with ``DistributedOptimizer`` against
+the same step with the plain optimizer it wraps (two copies of one model, steps alternated),
+which shows what the wrapper costs when there is nothing to reduce.
+
+Results go to ``benchmarks/results/training.json``; ``benchmarks/report.py`` turns them into
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -42,15 +55,23 @@ from pathlib import Path
 from machine import RESULTS, ROOT, command_line, describe
 
 RESULT = re.compile(r"RESULT (\{.*\})")
-BASELINE = "torch DDP (gloo)"
-OURS = "hpc_horovod.torch"
+OURS = "hpc_horovod.torch (hierarchical)"
+FLAT = "hpc_horovod.torch (flat MPI)"
+DDP = "torch DDP (gloo)"
+LIMIT = "plain optimizer, no communication"
+MODELS = {"mlp": "MLP, 1024 inputs, three hidden layers of 1024, 10 outputs (12.6 MB of float32 "
+                 "gradients), batch 32 per process",
+          "cnn": "small CNN (2 conv, 2 dense) on 32x32x3, batch 32 per process"}
 
 
 # -- the workload (runs inside each worker process) --------------------------------------------
 
-def build_model():
+def build_model(kind: str):
     from torch import nn
 
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -58,12 +79,12 @@ def build_model():
     )
 
 
-def _batch(batch_size: int, rank: int):
+def _batch(kind: str, batch_size: int, rank: int):
     import torch
 
     g = torch.Generator().manual_seed(rank)
-    return (torch.randn(batch_size, 3, 32, 32, generator=g),
-            torch.randint(0, 10, (batch_size,), generator=g))
+    shape = (batch_size, 1024) if kind == "mlp" else (batch_size, 3, 32, 32)
+    return torch.randn(*shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
 def _step(model, optimizer, data, target) -> None:
@@ -74,15 +95,15 @@ def _step(model, optimizer, data, target) -> None:
     optimizer.step()
 
 
-def measure(model, optimizer, args, rank: int) -> float:
-    """Images per second of this process over ``args.steps`` timed training steps."""
-    data, target = _batch(args.batch_size, rank)
+def measure(model, optimizer, args, rank: int, step=_step) -> float:
+    """Steps per second of this process over ``args.steps`` timed training steps."""
+    data, target = _batch(args.model, args.batch_size, rank)
     for _ in range(args.warmup):
-        _step(model, optimizer, data, target)
+        step(model, optimizer, data, target)
     start = time.perf_counter()
     for _ in range(args.steps):
-        _step(model, optimizer, data, target)
-    return args.batch_size * args.steps / (time.perf_counter() - start)
+        step(model, optimizer, data, target)
+    return args.steps / (time.perf_counter() - start)
 
 
 def _report(**result) -> None:
@@ -90,24 +111,48 @@ def _report(**result) -> None:
 
 
 def torch_worker(args, module: str) -> None:
-    """``module``: ``hpc_horovod.torch`` or ``horovod.torch``, which share one API."""
+    """``module``: ``hpc_horovod.torch`` or ``horovod.torch``, which share one API. The step
+    synchronizes explicitly, to time the last bucket's exposed reduction."""
     import importlib
 
     import torch
+    import torch.nn.functional as F
 
     hvd = importlib.import_module(module)
     torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
-    model = build_model()
+    model = build_model(args.model)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01,
                                                          momentum=0.9),
                                          named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rate = measure(model, optimizer, args, hvd.rank())
-    rates = hvd.allgather(torch.tensor([rate], dtype=torch.float64)).tolist()
+    last_grad = [0.0]
+    exposed: list[float] = []
+    # registered after the optimizer's hooks: runs once the last gradient has been handed over
+    next(model.parameters()).register_post_accumulate_grad_hook(
+        lambda p: last_grad.__setitem__(0, time.perf_counter()))
+
+    def step(model, optimizer, data, target) -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.synchronize()
+        exposed.append(time.perf_counter() - last_grad[0])
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+    rate = measure(model, optimizer, args, hvd.rank(), step)
+    exposed_ms = statistics.median(exposed[args.warmup:]) * 1e3
+    rates = hvd.allgather(torch.tensor([[rate, exposed_ms]], dtype=torch.float64)).tolist()
     if hvd.rank() == 0:
-        _report(rates=rates, module=hvd.__file__)
+        try:
+            from hpc_horovod.common import basics
+
+            backend = basics.engine()._sets[0].backend.name  # the host backend that ran
+        except (ImportError, AttributeError, KeyError):
+            backend = None
+        _report(rates=[r[0] for r in rates], exposed_ms=[r[1] for r in rates],
+                module=hvd.__file__, backend=backend)
     hvd.shutdown()
 
 
@@ -121,13 +166,13 @@ def step_worker(args) -> None:
     torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
-    plain_model = build_model()
+    plain_model = build_model(args.model)
     wrapped_model = copy.deepcopy(plain_model)
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
     wrapped = hvd.DistributedOptimizer(
         torch.optim.SGD(wrapped_model.parameters(), lr=0.01, momentum=0.9),
         named_parameters=wrapped_model.named_parameters())
-    data, target = _batch(args.batch_size, 0)
+    data, target = _batch(args.model, args.batch_size, 0)
     times = {"plain": [], "distributed": []}
     pair = [("plain", plain_model, plain), ("distributed", wrapped_model, wrapped)]
     for i in range(args.warmup + args.step_pairs):
@@ -141,7 +186,7 @@ def step_worker(args) -> None:
 
 
 def build_keras_model():
-    """:func:`build_model`'s layers in Keras (channels last)."""
+    """:func:`build_model`'s CNN in Keras (channels last)."""
     import keras
 
     return keras.Sequential([
@@ -187,14 +232,16 @@ def tf_worker(args) -> None:
     start = time.perf_counter()
     for _ in range(args.steps):
         train_step()
-    rate = args.batch_size * args.steps / (time.perf_counter() - start)
+    rate = args.steps / (time.perf_counter() - start)
     rates = hvd.allgather(tf.constant([rate], dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
         _report(rates=rates, module=hvd.__file__)
     hvd.shutdown()
 
 
-def ddp_worker(args) -> None:
+def gloo_worker(args, ddp: bool) -> None:
+    """torch DDP over gloo (``ddp``), or the plain optimizer with no communication at all once
+    the processes have met (the limit)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -203,8 +250,9 @@ def ddp_worker(args) -> None:
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(build_model())
+    model = DistributedDataParallel(build_model(args.model)) if ddp else build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    dist.barrier()
     rate = measure(model, optimizer, args, rank)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, rate)
@@ -221,18 +269,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_args(args, worker: str) -> list[str]:
+def _worker_args(args, worker: str, model: str) -> list[str]:
     return [str(Path(__file__).resolve()), "--batch-size", str(args.batch_size),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--step-pairs", str(args.step_pairs), "--worker", worker]
+            "--step-pairs", str(args.step_pairs), "--model", model, "--worker", worker]
 
 
-def _env(package_dir: Path = ROOT) -> dict:
+def _env(package_dir: Path = ROOT, extra: dict | None = None) -> dict:
     """The workers' environment: ``hpc_horovod`` imported from ``package_dir``."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "HOROVOD_HIERARCHICAL_ALLREDUCE"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
                     [str(package_dir)] + [p for p in [env.get("PYTHONPATH")] if p]),
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                # on a loaded machine a rank may import torch for minutes before its peers
+                "HOROVOD_PEER_TIMEOUT_SECONDS": "600"})
+    env.update(extra or {})
     return env
 
 
@@ -245,19 +296,24 @@ def _result(stdout: str, what: str) -> dict:
     return json.loads(match.group(1))
 
 
-def _launched(worker: str, package_dir: Path = ROOT):
+def _launched(worker: str, package_dir: Path = ROOT, env: dict | None = None,
+              backend: str | None = None):
     """A runner starting ``--worker worker`` on n ranks with ``hpc-horovod run``, importing
-    ``hpc_horovod`` (launcher included) from ``package_dir``."""
-    def run(args, n: int) -> dict:
+    ``hpc_horovod`` (launcher included) from ``package_dir``, with ``env`` on top; it checks
+    that the host backend is ``backend`` (when given)."""
+    def run(args, n: int, model: str) -> dict:
         cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
-               *_worker_args(args, worker)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(package_dir),
-                              timeout=900)
+               *_worker_args(args, worker, model)]
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env=_env(package_dir, env), timeout=900)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
         result = _result(proc.stdout, worker)
         if worker != "horovod" and not Path(result["module"]).resolve().is_relative_to(package_dir):
             raise RuntimeError(f"{worker} imported {result['module']}, not from {package_dir}")
+        if backend is not None and result.get("backend") != backend:
+            raise RuntimeError(f"{worker} ran on the {result.get('backend')} backend, not "
+                               f"{backend}")
         return result
     return run
 
@@ -272,21 +328,24 @@ def _importable(module: str) -> str | None:
     return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
-def run_ddp(args, n: int) -> dict:
-    env = _env()
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                "WORLD_SIZE": str(n)})
-    procs = [subprocess.Popen([sys.executable, *_worker_args(args, "ddp")],
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(n)]
-    outputs = [p.communicate(timeout=900) for p in procs]
-    result = _result(outputs[0][0], "DDP")
-    for p, (_, err) in zip(procs, outputs):
-        if p.returncode:  # after the measurement: report it, keep the numbers
-            print(f"warning: a DDP worker exited with {p.returncode} after measuring: "
-                  f"{err.strip()[-300:]}", file=sys.stderr)
-    return result
+def _gloo(worker: str):
+    """A runner starting ``--worker worker`` on n processes that meet over gloo (env://)."""
+    def run(args, n: int, model: str) -> dict:
+        env = _env()
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                    "WORLD_SIZE": str(n)})
+        procs = [subprocess.Popen([sys.executable, *_worker_args(args, worker, model)],
+                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(n)]
+        outputs = [p.communicate(timeout=900) for p in procs]
+        result = _result(outputs[0][0], worker)
+        for p, (_, err) in zip(procs, outputs):
+            if p.returncode:  # after the measurement: report it, keep the numbers
+                print(f"warning: a {worker} worker exited with {p.returncode} after measuring: "
+                      f"{err.strip()[-300:]}", file=sys.stderr)
+        return result
+    return run
 
 
 def _package_dir(text: str) -> Path:
@@ -297,78 +356,120 @@ def _package_dir(text: str) -> Path:
     return path
 
 
+def _before_label(path: Path) -> str:
+    proc = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    commit = proc.stdout.strip() if proc.returncode == 0 else path.name
+    return f"hpc_horovod.torch at {commit}"
+
+
+def _ratios(values: list[float], bases: list[float]) -> dict:
+    ratios = [a / b for a, b in zip(values, bases)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32, help="images per process")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per process")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--step-pairs", type=int, default=100,
                         help="alternated plain/DistributedOptimizer steps in one process")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--processes", type=int, default=2, help="the scaled configuration")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--models", default="mlp,cnn", help="of: " + ", ".join(MODELS))
     parser.add_argument("--compare-with", type=_package_dir, metavar="DIR",
-                        help="also run the torch worker with hpc_horovod from DIR")
+                        help="also run the torch worker with hpc_horovod from DIR (the "
+                             "reference of the speed-ups)")
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip hpc_horovod.tensorflow")
-    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "horovod"],
+    parser.add_argument("--model", choices=list(MODELS), default="cnn", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "plain", "horovod"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models: a comma-separated list of {', '.join(MODELS)}")
     if min(args.batch_size, args.steps, args.step_pairs, args.rounds, args.processes) < 1:
         parser.error("sizes and counts must be positive")
     workers = {"hvd": lambda: torch_worker(args, "hpc_horovod.torch"),
                "horovod": lambda: torch_worker(args, "horovod.torch"),
-               "step": lambda: step_worker(args),
-               "tf": lambda: tf_worker(args), "ddp": lambda: ddp_worker(args)}
+               "step": lambda: step_worker(args), "tf": lambda: tf_worker(args),
+               "ddp": lambda: gloo_worker(args, ddp=True),
+               "plain": lambda: gloo_worker(args, ddp=False)}
     if args.worker:
         return workers[args.worker]()
 
-    runners = {OURS: _launched("hvd")}
+    runners = {OURS: _launched("hvd", backend="hierarchical"),
+               FLAT: _launched("hvd", env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"},
+                               backend="mpi")}
     steppers = {OURS: _launched("step")}
+    before = None
     if args.compare_with:
-        label = f"hpc_horovod ({args.compare_with})"
-        runners[label] = _launched("hvd", args.compare_with)
-        steppers[label] = _launched("step", args.compare_with)
+        before = _before_label(args.compare_with)
+        runners[before] = _launched("hvd", args.compare_with)
+        steppers[before] = _launched("step", args.compare_with)
+    runners[DDP] = _gloo("ddp")
+    runners[LIMIT] = _gloo("plain")
+    only_cnn = {}
     if not args.no_tensorflow:
-        runners["hpc_horovod.tensorflow"] = _launched("tf")
-    runners[BASELINE] = run_ddp
+        only_cnn["hpc_horovod.tensorflow"] = _launched("tf")
     skipped = {}
     why = _importable("horovod.torch")
     if why is None:
-        runners["horovod.torch"] = _launched("horovod")
+        only_cnn["horovod.torch"] = _launched("horovod")
     else:
         skipped["horovod.torch"] = why
-    counts = sorted({1, args.processes})
-    totals: dict[str, dict[int, list[float]]] = {name: {n: [] for n in counts} for name in runners}
+    plan = [(model, name, runner) for model in models
+            for name, runner in {**runners, **(only_cnn if model == "cnn" else {})}.items()]
+    rates = {(model, name): [] for model, name, _ in plan}
+    exposed = {(model, name): [] for model, name, _ in plan}
     modules: dict[str, str] = {}
     steps: dict[str, list[dict]] = {name: [] for name in steppers}
     for round_ in range(args.rounds):
-        for name, runner in runners.items():
-            for n in counts:
-                result = runner(args, n)
-                totals[name][n].append(sum(result["rates"]))
-                modules[name] = result["module"]
-                print(f"round {round_ + 1}/{args.rounds}: {name:24s} {n} process(es): "
-                      f"{totals[name][n][-1]:8.1f} img/s", file=sys.stderr, flush=True)
-        for name, stepper in steppers.items():
-            result = stepper(args, 1)
-            plain, wrapped = (statistics.median(result[k]) for k in ("plain_s", "distributed_s"))
-            steps[name].append({"plain_median_s": plain, "distributed_median_s": wrapped,
-                                "ratio": wrapped / plain})
-            print(f"round {round_ + 1}/{args.rounds}: {name:24s} one-process step: "
-                  f"DistributedOptimizer {wrapped * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms, "
-                  f"x{wrapped / plain:.3f}", file=sys.stderr, flush=True)
+        shift = round_ % len(plan)
+        for model, name, runner in plan[shift:] + plan[:shift]:
+            result = runner(args, args.processes, model)
+            rates[model, name].append(min(result["rates"]))  # the slowest process's pace
+            if "exposed_ms" in result:
+                exposed[model, name].append(statistics.median(result["exposed_ms"]))
+            modules[name] = result["module"]
+            print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} "
+                  f"{rates[model, name][-1]:7.2f} steps/s"
+                  + (f", last bucket exposed {exposed[model, name][-1]:.2f} ms"
+                     if exposed[model, name] else ""), file=sys.stderr, flush=True)
+        if "cnn" in models:
+            for name, stepper in steppers.items():
+                result = stepper(args, 1, "cnn")
+                plain, wrapped = (statistics.median(result[k])
+                                  for k in ("plain_s", "distributed_s"))
+                steps[name].append({"plain_median_s": plain, "distributed_median_s": wrapped,
+                                    "ratio": wrapped / plain})
+                print(f"round {round_ + 1}/{args.rounds}: {name:40s} one-process CNN step: "
+                      f"DistributedOptimizer {wrapped * 1e3:.2f} ms, plain {plain * 1e3:.2f} "
+                      f"ms, x{wrapped / plain:.3f}", file=sys.stderr, flush=True)
 
-    configurations = [{"name": name, "processes": n, "module": modules[name],
-                       "rounds_img_per_sec_total": totals[name][n]}
-                      for name in runners for n in counts]
-    print(f"small CNN, batch {args.batch_size}/process, 1 thread per process, "
-          f"{os.cpu_count()} cores; median of {args.rounds} rounds, ratio to {BASELINE} "
-          "taken round by round")
-    for c in configurations:
-        base = totals[BASELINE][c["processes"]]
-        ratio = statistics.median(a / b for a, b in zip(c["rounds_img_per_sec_total"], base))
-        print(f"  {c['name']:36s} {c['processes']} process(es) "
-              f"{statistics.median(c['rounds_img_per_sec_total']):9.1f} img/s  x{ratio:.3f}")
+    results = {}
+    print(f"{args.processes} processes, 1 thread each, {os.cpu_count()} cores; median of "
+          f"{args.rounds} rounds (range), ratios taken round by round")
+    for model in models:
+        configurations = []
+        for m, name, _ in plan:
+            if m != model:
+                continue
+            c = {"name": name, "module": modules[name], "rounds_steps_per_sec": rates[m, name],
+                 "efficiency": _ratios(rates[m, name], rates[m, LIMIT])}
+            if before is not None:
+                c["vs_reference"] = _ratios(rates[m, name], rates[m, before])
+            if exposed[m, name]:
+                c["rounds_last_bucket_exposed_ms"] = exposed[m, name]
+            configurations.append(c)
+            vs = (f"  x{c['vs_reference']['median']:.3f} ({c['vs_reference']['min']:.3f}-"
+                  f"{c['vs_reference']['max']:.3f}) of the reference" if before else "")
+            print(f"  {model} {name:40s} {statistics.median(rates[m, name]):7.2f} steps/s"
+                  f"{vs}, efficiency {c['efficiency']['median']:.3f} "
+                  f"({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})")
+        results[model] = {"description": MODELS[model], "configurations": configurations}
     for name, rounds in steps.items():
         print(f"  {name}: one-process DistributedOptimizer step / plain step "
               f"x{statistics.median(r['ratio'] for r in rounds):.3f}")
@@ -377,12 +478,13 @@ def main(argv=None) -> None:
     meta = describe(command_line(), ("numpy", "torch", "mpi4py")
                     + (() if args.no_tensorflow else ("tensorflow", "keras")))
     meta.update(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
-                step_pairs=args.step_pairs, rounds=args.rounds, skipped=skipped)
+                step_pairs=args.step_pairs, rounds=args.rounds, processes=args.processes,
+                skipped=skipped)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "training.json"
-    path.write_text(json.dumps({"benchmark": "training", "meta": meta, "baseline": BASELINE,
-                                "ours": OURS, "configurations": configurations,
-                                "one_process_step": steps}, indent=1) + "\n")
+    path.write_text(json.dumps({"benchmark": "training", "meta": meta, "ours": OURS,
+                                "flat": FLAT, "reference": before, "ddp": DDP, "limit": LIMIT,
+                                "models": results, "one_process_step": steps}, indent=1) + "\n")
     print(f"results: {path}")
 
 

@@ -49,20 +49,32 @@ def write_results(folder: Path) -> None:
                               "small": section("200 x 16 KiB float32, async", mpi + ", one call",
                                                small),
                               "half": section("float16", "hvd.allreduce float16", half)}}
+    ours, before = "hpc_horovod.torch (hierarchical)", "hpc_horovod.torch at abc1234"
+
+    def config(name: str, rates: list, vs: float, efficiency: float, exposed=None) -> dict:
+        c = {"name": name, "module": "m", "rounds_steps_per_sec": rates,
+             "vs_reference": {"median": vs, "min": vs - 0.1, "max": vs + 0.1},
+             "efficiency": {"median": efficiency, "min": efficiency - 0.05,
+                            "max": efficiency + 0.05}}
+        if exposed:
+            c["rounds_last_bucket_exposed_ms"] = exposed
+        return c
+
     training = {
-        "benchmark": "training", "baseline": "torch DDP (gloo)", "ours": "hpc_horovod.torch",
+        "benchmark": "training", "ours": ours, "flat": "hpc_horovod.torch (flat MPI)",
+        "reference": before, "ddp": "torch DDP (gloo)", "limit": "plain optimizer",
         "meta": dict(meta("python training.py --rounds 2"), batch_size=32, warmup=1, steps=5,
-                     step_pairs=10, rounds=2),
-        "configurations": [
-            {"name": "hpc_horovod.torch", "processes": 1, "module": "m",
-             "rounds_img_per_sec_total": [100.0, 90.0]},
-            {"name": "hpc_horovod.torch", "processes": 2, "module": "m",
-             "rounds_img_per_sec_total": [180.0, 150.0]},
-            {"name": "torch DDP (gloo)", "processes": 1, "module": "m",
-             "rounds_img_per_sec_total": [50.0, 60.0]},
-            {"name": "torch DDP (gloo)", "processes": 2, "module": "m",
-             "rounds_img_per_sec_total": [100.0, 100.0]}],
-        "one_process_step": {"hpc_horovod.torch": [
+                     step_pairs=10, rounds=2, processes=2),
+        "models": {
+            "mlp": {"description": "an MLP", "configurations": [
+                config(ours, [12.0, 10.0], 1.2, 0.9, [1.0, 3.0]),
+                config(before, [10.0, 8.0], 1.0, 0.75, [4.0, 4.0]),
+                config("plain optimizer", [13.0, 11.0], 1.3, 1.0)]},
+            "cnn": {"description": "a CNN", "configurations": [
+                config(ours, [20.0, 18.0], 1.1, 0.8, [1.0, 1.0]),
+                config(before, [18.0, 17.0], 1.0, 0.7, [2.0, 2.0]),
+                config("plain optimizer", [22.0, 21.0], 1.2, 1.0)]}},
+        "one_process_step": {ours: [
             {"plain_median_s": 0.01, "distributed_median_s": 0.0101, "ratio": 1.01},
             {"plain_median_s": 0.01, "distributed_median_s": 0.0103, "ratio": 1.03},
             {"plain_median_s": 0.01, "distributed_median_s": 0.0100, "ratio": 1.00}]}}
@@ -81,12 +93,19 @@ def test_report_computes_the_targets(tmp_path):
     def target(start: str) -> str:
         return next(line for line in lines if line.startswith("| " + start))
 
-    # per-round ratios to DDP: 2.0 and 1.5 with one process, 1.8 and 1.5 with two
-    assert "x1.750 | - |" in target("hpc_horovod.torch training throughput / torch DDP (gloo), 1")
-    assert "x1.650 | - |" in target("hpc_horovod.torch training throughput / torch DDP (gloo), 2")
+    assert target("mlp: hpc_horovod.torch (hierarchical) steps/s / hpc_horovod.torch at "
+                  "abc1234").endswith("| x1.200 | >= 1.15 | yes |")
+    assert target("cnn: hpc_horovod.torch (hierarchical) steps/s").endswith(
+        "| x1.100 | >= 1.15 | **no** |")
+    assert target("mlp: hpc_horovod.torch (hierarchical) scaling").endswith(
+        "| x0.900 | >= 0.85 | yes |")
+    assert "| hpc_horovod.torch (hierarchical) | 11.00 | 10.00 - 12.00 | x1.200 (x1.100 - " \
+        "x1.300) | 90% (85% - 95%) | 2.00 ms |" in text
+    assert "| plain optimizer | 12.00 | 11.00 - 13.00 |" in text
     assert target("One process").endswith("| x1.010 | <= 1.02 | yes |")
     # 16 MiB: MPI 4 ms / ours 5 ms = 0.8, 32 MiB: 1.25; the worst size counts
     assert target("hvd.allreduce_, 16 MiB").endswith("| x0.800 | >= 0.95 | **no** |")
+    assert target("hvd.allreduce_, 16 MiB: time").endswith("| x1.250 | <= 0.5 | **no** |")
     assert target("200 x 16 KiB").endswith("| x2.000 | <= 3 | yes |")
     assert "node-a" in text and "Test CPU 9000" in text and "2030-01-02T03:04:05" in text
     assert "`hpc-horovod run -np 2 python a.py`" in text

@@ -388,8 +388,10 @@ class HierarchicalBackend(MpiBackend):
         win.arrive(offset, "allreduce: data ready")
         offsets = win.offsets
         if self.cross_size > 1 and not self.by_slice:
-            self._through_leader(src, out, op, pre, post, lo, hi)
+            in_total = self._through_leader(src, out, op, pre, post, lo, hi)
             win.arrive(offset, "allreduce: results read")
+            if in_total and post != 1.0:  # nobody reads the leader's data any more
+                _native.reduce_slices([out], [out], op, 1.0, post)
             return
         if lo < hi:
             inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
@@ -410,12 +412,16 @@ class HierarchicalBackend(MpiBackend):
                     out[a:b] = stage[a:b]
 
     def _through_leader(self, src: np.ndarray, out: np.ndarray, op: int, pre: float,
-                        post: float, lo: int, hi: int) -> None:
+                        post: float, lo: int, hi: int) -> bool:
         """The cross-node stage when nodes hold different numbers of ranks: every rank reduces
         its slice into the leader's data (local rank 0's, in the window), the leader
         allreduces that whole node sum with the other nodes' leaders, and every rank copies
         the result out of the leader's data, post-scaled. The caller's next arrival tells the
-        leader its data has been read."""
+        leader its data has been read.
+
+        Returns True on the leader when its result lies in that data already (a bucket in the
+        window): the caller post-scales it after that arrival, not before (the other ranks
+        would read it scaled twice)."""
         win, me, dtype, n = self.window, self.local_rank, out.dtype, out.size
         offsets = win.offsets
         total = win.data(0, int(offsets[0]), 0, n, dtype)
@@ -427,7 +433,10 @@ class HierarchicalBackend(MpiBackend):
         if me == 0:
             self._mpi_allreduce(self.cross, total, op)
         win.arrive(int(offsets[me]), "allreduce: nodes reduced")
+        if me == 0 and _address(total) == _address(out):
+            return True
         _native.reduce_slices([total], [out], op, 1.0, post)
+        return False
 
     # -- process sets and lifetime -----------------------------------------------------------------
     def sub(self, ranks) -> MpiBackend | None:

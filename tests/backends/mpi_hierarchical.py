@@ -197,8 +197,9 @@ def test_layouts_bit_identical_to_flat(flat):
             x = x[:20_000].copy()  # within the window's half that holds buckets
             memory = backend.bucket_memory(x.nbytes).view(np.int32)
             memory[...] = x
-            flat.allreduce(x, Sum)
-            backend.allreduce(memory, Sum)
+            # post-scaled: a leader's result in its bucket is scaled once every rank read it
+            flat.allreduce(x, Sum, postscale=1.0 / SIZE)
+            backend.allreduce(memory, Sum, postscale=1.0 / SIZE)
             assert memory.tobytes() == x.tobytes(), layout
             x = _values(np.float32, 50_000, 2)
             a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slurm
@@ -217,3 +218,79 @@ def test_long_run_across_two_hosts(slurm):
     assert proc.returncode == 0, out
     for rank in range(4):
         assert f"rank {rank}: long run ok ({300 + 3 * rank} steps)" in out, out
+
+
+
+#: what hierarchical_vs_flat.py compares, in its order
+PATH_CHECKS = ["path", "below in place", "below out of place", "above in place",
+               "above out of place", "optimizer", "shutdown"]
+#: the layouts: 2 + 2 ranks (slices reduced across nodes) and 2 + 1 (through the nodes' leaders)
+LAYOUTS = {"2+2": (4, ["-N", "2", "--ntasks-per-node=2"]), "2+1": (3, ["-N", "2", "-n", "3"])}
+PATHS = {"hierarchical": "1", "flat": "0"}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def both_paths(request, slurm, tmp_path_factory) -> tuple[int, dict, dict]:
+    """hierarchical_vs_flat.py under srun at one layout, with the hierarchical path on and off
+    (windows of 16 MiB: several chunks above the threshold): the ranks, each path's output and
+    its saved results by rank (None where a rank saved none)."""
+    folder = tmp_path_factory.mktemp("paths")
+    ranks, layout = LAYOUTS[request.param]
+    outputs, results = {}, {}
+    for label, flag in PATHS.items():
+        proc = slurm.run(["srun", *layout, "--mpi=pmix", "--label", sys.executable,
+                          str(WORKERS / "hierarchical_vs_flat.py"), str(folder), label],
+                         timeout=300, env={"HOROVOD_HIERARCHICAL_ALLREDUCE": flag,
+                                           "HOROVOD_FUSION_THRESHOLD": str(16 << 20)})
+        outputs[label] = f"exit status {proc.returncode}\n{proc.stdout}{proc.stderr}"
+        files = [folder / f"{label}.{r}.npz" for r in range(ranks)]
+        results[label] = [dict(np.load(f)) if f.exists() else None for f in files]
+    return ranks, outputs, results
+
+
+def _within(name: str, hier: np.ndarray, flat: np.ndarray, bound) -> None:
+    """Integers bit-identical; floats apart by at most ``bound`` (elementwise)."""
+    assert hier.dtype == flat.dtype and hier.shape == flat.shape, (name, hier.dtype, flat.dtype)
+    if hier.dtype.kind in "iu":
+        assert hier.tobytes() == flat.tobytes(), name
+        return
+    beyond = np.abs(hier.astype(np.float64) - flat) - bound
+    assert beyond.max() <= 0, f"{name}: {int((beyond > 0).sum())} elements apart by more than " \
+                              f"the bound, the worst by {beyond.max()}"
+
+
+@pytest.mark.parametrize("check", PATH_CHECKS)
+def test_hierarchical_and_flat_paths_agree_across_two_hosts(both_paths, check):
+    """Across h1 and h2 the hierarchical path gives what the flat one (MPI alone) gives:
+    integer sums bit-identical, float sums within one rounding per reduction step (as
+    tests/backends/mpi_hierarchical.py), at 2 + 2 and 2 + 1 ranks."""
+    ranks, outputs, results = both_paths
+    for label, out in outputs.items():
+        done = [r for r in range(ranks) if f"{r}: rank {r}: {check} done" in out]
+        assert done == list(range(ranks)), f"{label}: {check!r} done only on {done}:\n{out}"
+    if check in ("path", "shutdown"):
+        return
+    hier, flat = results["hierarchical"], results["flat"]
+    steps = ranks  # one rounding per reduction step, and one for the scaling
+    if check != "optimizer":
+        prefix = check.replace(" in place", ".ip.").replace(" out of place", ".oop.")
+        for r in range(ranks):
+            for key in [k for k in flat[r] if k.startswith(prefix)]:
+                value = flat[r][key]  # positive floats: the sum is the sum of the magnitudes
+                bound = steps * np.finfo(value.dtype).eps * np.abs(value) \
+                    if value.dtype.kind == "f" else 0
+                _within(f"rank {r}: {key}", hier[r][key], flat[r][key], bound)
+        return
+    names = [k.removeprefix("grad.") for k in flat[0] if k.startswith("grad.")]
+    assert names, list(flat[0])
+    for name in names:
+        magnitude = sum(np.abs(flat[r][f"local.{name}"]) for r in range(ranks)) / ranks
+        bound = steps * np.finfo(np.float32).eps * magnitude
+        for r in range(ranks):  # the averaged gradients, then SGD's step with lr 0.1
+            _within(f"rank {r}: grad.{name}", hier[r][f"grad.{name}"], flat[r][f"grad.{name}"],
+                    bound)
+            param = flat[r][f"param.{name}"]
+            _within(f"rank {r}: param.{name}", hier[r][f"param.{name}"], param,
+                    0.1 * bound + 2 * np.finfo(np.float32).eps * np.abs(param))
+            for path in (hier, flat):  # every rank ends with the same parameters
+                assert path[r][f"param.{name}"].tobytes() == path[0][f"param.{name}"].tobytes()

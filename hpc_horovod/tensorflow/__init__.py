@@ -61,6 +61,7 @@ from ..common.basics import (
 from ..common.errors import HorovodInternalError
 from ..common.gpu_layout import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
+from . import util  # noqa: F401 - horovod.tensorflow.util (hvd.util._executing_eagerly)
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_variables, weighted_average
 from .legacy import (
@@ -91,6 +92,7 @@ from .mpi_ops import (
 )
 from .sync_batch_norm import SyncBatchNormalization
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
+from .util import _executing_eagerly  # noqa: F401 - Horovod exports it here too
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",

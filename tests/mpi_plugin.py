@@ -8,8 +8,11 @@ support.CHECK_TIMEOUT_S), which stops the engine on every rank (the next check's
 starts a new one); meanwhile a rank that had finished it may have gone on to the next check and
 failed there. Before each check the ranks tell each other which check they are at: a rank
 behind fails its check at once (it is out of step) until it reaches the others. A watchdog
-prints every thread's stack when a check goes on long past its timeout (a wait inside MPI
-itself, which no signal handler interrupts)."""
+prints every thread's stack to ``$HVD_CHECKS_REPORT.stacks`` and ends the process when a check
+(or the wait for the other ranks before it) goes on a minute past its timeout: a wait inside MPI
+itself, which no signal handler interrupts (a collective that the other ranks never call, after a
+check failed on some of them); the launcher then ends the job, and the outer run reports the
+checks that finished and this one, with the stacks."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import pytest
 
 _report = None
+_stacks = None
 _comm = None
 
 
@@ -33,12 +37,14 @@ def _world():
 
 
 def pytest_configure(config) -> None:
-    global _report
+    global _report, _stacks
     path = os.environ.get("HVD_CHECKS_REPORT")
     if path:
         from mpi4py import MPI
 
-        _report = open(path.format(rank=MPI.COMM_WORLD.Get_rank()), "w")  # noqa: SIM115
+        path = path.format(rank=MPI.COMM_WORLD.Get_rank())
+        _report = open(path, "w")  # noqa: SIM115
+        _stacks = open(path + ".stacks", "w")  # noqa: SIM115
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -56,6 +62,10 @@ def pytest_runtest_logreport(report) -> None:
 
 @pytest.fixture(autouse=True)
 def _in_step(request):
+    timeout = float(request.config.getoption("timeout", None) or 0)
+    watchdog = {"file": _stacks} if _stacks is not None else {}
+    if timeout:
+        faulthandler.dump_traceback_later(timeout + 60, exit=True, **watchdog)
     comm = _world()
     position = request.session.items.index(request.node)
     while True:
@@ -65,8 +75,7 @@ def _in_step(request):
                         f"{positions}): an earlier check failed or hung on some rank")
         if min(positions) == position:
             break  # every rank is here; otherwise wait for those behind
-    timeout = request.config.getoption("timeout", None) or 0
     if timeout:
-        faulthandler.dump_traceback_later(timeout + 60, exit=False)
+        faulthandler.dump_traceback_later(timeout + 60, exit=True, **watchdog)
     yield
     faulthandler.cancel_dump_traceback_later()

@@ -130,20 +130,31 @@ def run_mpi(n: int, script, *args, timeout: float = 180, env: dict | None = None
 
 #: per check, on each rank: a SIGALRM ends it (pytest-timeout, stacks of every thread printed)
 CHECK_TIMEOUT_S = 120
+#: the test of a run's exit status: 0 when every check passed, pytest's 1 when some failed; a
+#: crash (a segmentation fault: 139), a rank killed, or a job stopped for a hang is none of these
+EXIT = "exit_status"
 _collected: dict[Path, list[str]] = {}
 _runs: dict[tuple, dict] = {}
 
 
-def _collect(module: Path, env: dict | None) -> list[str]:
+def _collect(module: Path) -> list[str]:
+    """The checks of ``module``. Every ``mpi_*.py`` of its directory is collected at once, in
+    one process of size 1 (a process that imports torch or TensorFlow takes seconds)."""
     if module not in _collected:
+        modules = sorted(module.parent.glob("mpi_*.py"))
         proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                               "-p", "no:cacheprovider", str(module)], capture_output=True,
-                              text=True, cwd=ROOT, env=clean_env(env), timeout=300)
-        ids = [line.split("::", 1)[1] for line in proc.stdout.splitlines() if "::" in line]
-        if not ids:
+                               "-p", "no:cacheprovider", *map(str, modules)],
+                              capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                              timeout=300)
+        for path in modules:
+            _collected[path] = []
+        for line in proc.stdout.splitlines():
+            if "::" in line:
+                path, check = line.split("::", 1)
+                _collected.setdefault((ROOT / path).resolve(), []).append(check)
+        if not _collected.get(module):
             raise RuntimeError(f"no checks collected from {module}:\n{proc.stdout}\n"
                                f"{proc.stderr}")
-        _collected[module] = ids
     return _collected[module]
 
 
@@ -194,6 +205,9 @@ def _run_checks(module: Path, n: int, env: dict | None, select: list[str], timeo
         path = tmp / f"out-{rank}.txt"
         out[rank] = path.read_text(errors="replace") if path.exists() else ""
         report = tmp / f"report-{rank}.jsonl"
+        stacks = tmp / f"report-{rank}.jsonl.stacks"
+        if stacks.exists() and stacks.stat().st_size:  # the watchdog ended this rank
+            out[rank] += "\n" + stacks.read_text(errors="replace")
         for line in (report.read_text().splitlines() if report.exists() else []):
             try:
                 phase = json.loads(line)
@@ -220,14 +234,14 @@ def mpi_checks(module, ranks=(2, 3, 4), *, env: dict | None = None, timeout: flo
     ``test_*`` name: ``test_ops = mpi_checks(HERE / "mpi_ops.py")``. ``only``: these checks
     of the module, not all."""
     module = Path(module).resolve()
-    ids = _collect(module, env)
+    ids = _collect(module)
     if only is not None:
         assert set(only) <= set(ids), set(only) - set(ids)
         ids = [c for c in ids if c in only]
     key_env = tuple(sorted((env or {}).items())) + (tuple(only or ()),)
 
     @pytest.mark.mpi
-    @pytest.mark.parametrize("check", ids)
+    @pytest.mark.parametrize("check", [*ids, EXIT])
     @pytest.mark.parametrize("ranks", ranks, ids=lambda n: f"np{n}")
     def test(ranks, check, request, tmp_path_factory):
         key = (module, ranks, key_env)
@@ -236,11 +250,19 @@ def mpi_checks(module, ranks=(2, 3, 4), *, env: dict | None = None, timeout: flo
             wanted = {item.callspec.params["check"] for item in request.session.items
                       if getattr(item, "function", None) is request.function
                       and item.callspec.params["ranks"] == ranks}
-            select = ([] if wanted == set(ids) and only is None
+            select = ([] if wanted >= set(ids) and only is None
                       else [c for c in ids if c in wanted])
             _runs[key] = _run_checks(module, ranks, env, select, timeout,
                                      tmp_path_factory.mktemp(f"{module.stem}-np{ranks}"))
         run = _runs[key]
+        if check == EXIT:
+            failed = any(status == "failed" for outcome in run["checks"].values()
+                         for status, _ in outcome.values())
+            assert run["returncode"] == (1 if failed else 0), (
+                f"mpirun -np {ranks} {module.name} ended with exit status {run['returncode']} "
+                f"(its checks {'failed' if failed else 'passed'}): a rank crashed, hung or "
+                f"ended badly\n{run['tail']}")
+            return
         by_rank = run["checks"].get(check, {})
         where = f"{module.name}::{check} under mpirun -np {ranks}"
         missing = [r for r in range(ranks) if r not in by_rank]

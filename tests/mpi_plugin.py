@@ -45,6 +45,7 @@ def pytest_configure(config) -> None:
         path = path.format(rank=MPI.COMM_WORLD.Get_rank())
         _report = open(path, "w")  # noqa: SIM115
         _stacks = open(path + ".stacks", "w")  # noqa: SIM115
+        faulthandler.enable(file=_stacks)  # a crash's stacks (pytest captures stderr)
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -24,6 +24,7 @@ hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 INTERRUPT_AFTER_S = 0.3
 LATE_S = 1.5  # the others submit this long after rank 0
+ANSWER_S = 30.0
 
 
 class Interrupted(Exception):
@@ -80,9 +81,17 @@ def _interrupted_wait(kind: str, tag: str) -> str:
 
 
 def _late_allreduce(tag: str) -> str:
+    """The others' allreduce, LATE_S after rank 0's; waited for ANSWER_S at most (then given up:
+    every rank goes on to shutdown and init, whose collectives must meet)."""
     time.sleep(LATE_S)
+    handle = hvd.allreduce_async(np.full(3, RANK + 1.0), op=hvd.Sum, name=f"late.{tag}")
+    deadline = time.monotonic() + ANSWER_S
+    while not hvd.poll(handle):
+        if time.monotonic() > deadline:
+            return f"no answer in {ANSWER_S} s: the engine neither completed it nor stopped"
+        time.sleep(0.01)
     try:
-        got = hvd.allreduce(np.full(3, RANK + 1.0), op=hvd.Sum, name=f"late.{tag}")
+        got = hvd.synchronize(handle)
     except hvd.HorovodInternalError as exc:
         return f"error: {exc}"
     return "sum" if got.tolist() == [SIZE * (SIZE + 1) / 2] * 3 else f"wrong: {got}"
@@ -108,14 +117,19 @@ def _interrupt_case(kind: str, attempt: int) -> None:
         return  # the engine kept working on every rank
     # or it stopped on every rank, the others' errors naming the interrupted rank and why
     for o in others:
-        assert o.startswith("error: Rank 0 stopped first") and raised in o, outcomes
+        assert o.startswith("error: ") and f"Rank 0 stopped first, with: {raised}" in o, (
+            outcomes)
 
 
+@pytest.mark.xfail(strict=True, reason="the engine replaces the handler's exception by a "
+                   "HorovodInternalError('Interrupted: ...') (engine._guarded_cycle)")
 @pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_wait_interrupted_by_a_raising_signal_handler(attempt):
     _interrupt_case("raising-handler", attempt)
 
 
+@pytest.mark.xfail(strict=False, reason="sometimes (timing) the peers are never told: their "
+                   "allreduce neither completes nor fails after rank 0's shutdown() and init()")
 @pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_wait_interrupted_by_keyboard_interrupt(attempt):
     _interrupt_case("keyboard-interrupt", attempt)

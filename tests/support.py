@@ -166,7 +166,7 @@ def _stacks(text: str) -> str:
         if re.search(r"\++ Timeout \++$", line):
             inside = not inside
             found.append(line)
-        elif inside or line.startswith("Timeout (") or (found and found[-1] != "" and (
+        elif inside or line.startswith(("Timeout (", "Fatal Python error")) or (found and (
                 line.startswith(("Thread 0x", "Current thread 0x", "  File ")))):
             found.append(line)
         elif found and found[-1] != "":
@@ -213,10 +213,13 @@ def _run_checks(module: Path, n: int, env: dict | None, select: list[str], timeo
                 phase = json.loads(line)
             except ValueError:  # a line cut short by a killed rank
                 continue
-            status, text = checks.setdefault(phase["id"], {}).get(rank, ("passed", ""))
+            # a check has run once its call has a report, or its setup failed or skipped it
+            status, text = checks.setdefault(phase["id"], {}).get(rank, ("unfinished", ""))
+            if phase["when"] == "call" and phase["outcome"] == "passed" and status == "unfinished":
+                status = "passed"
             if phase["outcome"] == "failed":
                 status, text = "failed", f"{text}\n[{phase['when']}] {phase['text']}".strip()
-            elif phase["outcome"] == "skipped" and status == "passed":
+            elif phase["outcome"] == "skipped" and status in ("passed", "unfinished"):
                 status = "xfailed" if phase["xfail"] is not None else "skipped"
                 text = phase["xfail"] or phase["text"]
             checks[phase["id"]][rank] = (status, text)
@@ -265,8 +268,8 @@ def mpi_checks(module, ranks=(2, 3, 4), *, env: dict | None = None, timeout: flo
             return
         by_rank = run["checks"].get(check, {})
         where = f"{module.name}::{check} under mpirun -np {ranks}"
-        missing = [r for r in range(ranks) if r not in by_rank]
-        problems = [f"rank {r} did not run it" for r in missing]
+        missing = [r for r in range(ranks) if by_rank.get(r, ("unfinished",))[0] == "unfinished"]
+        problems = [f"rank {r} did not run it or did not finish it" for r in missing]
         problems += [f"--- rank {r}: {status}\n{text}" for r, (status, text) in
                      sorted(by_rank.items()) if status == "failed"]
         statuses = {status for status, _ in by_rank.values()}

@@ -93,10 +93,10 @@ def _value(rank: int, shape=(2, 3)) -> np.ndarray:
 def _after_join(joined: list[int], call, tag: str) -> None:
     """The ranks in ``joined`` join; the others run ``call()`` then join. Every join returns
     the same rank, one of those that ran ``call`` (they joined last)."""
-    if RANK in joined:
-        last = hvd.join()
-    else:
-        call()
+    try:
+        if RANK not in joined:
+            call()
+    finally:  # whatever call() did: the others wait in join() for this rank
         last = hvd.join()
     last = agreed(last)
     assert last not in joined, f"{tag}: join() returned {last}, which joined first"
@@ -155,11 +155,17 @@ def test_unsupported_collective_after_join_fails_alike_on_every_rank(what, named
                 UNSUPPORTED[what](f"{what}.{joined}" if named else None)
             message = str(info.value)
             assert message.startswith(f"{what} is not supported with Join at this time"), message
-            assert f"ranks {joined} have joined" in message, message
 
         _after_join(joined, call, f"{what}, joined {joined}")
         messages = [m for m in hvd.allgather_object(message) if m is not None]
-        assert len(messages) == SIZE - len(joined) and len(set(messages)) == 1, messages
+        assert len(messages) == SIZE - len(joined), messages
+        # the same error on every rank that called it; which ranks it says have joined may
+        # include ranks that got this error first and joined since (timing), so not compared
+        kinds = {m.split(":")[0] for m in messages}
+        assert len(kinds) == 1, messages
+        for m in messages:
+            named = {int(r) for r in m.split("ranks [", 1)[1].split("]")[0].split(",")}
+            assert set(joined) <= named, (joined, m)
         # unnamed ops agree again afterwards: the automatic names restart after a join
         assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [SIZE] * 2
         assert hvd.allgather(np.array([RANK])).tolist() == list(range(SIZE))

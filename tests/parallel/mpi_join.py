@@ -164,8 +164,8 @@ def test_unsupported_collective_after_join_fails_alike_on_every_rank(what, named
         kinds = {m.split(":")[0] for m in messages}
         assert len(kinds) == 1, messages
         for m in messages:
-            named = {int(r) for r in m.split("ranks [", 1)[1].split("]")[0].split(",")}
-            assert set(joined) <= named, (joined, m)
+            listed = {int(r) for r in m.split("ranks [", 1)[1].split("]")[0].split(",")}
+            assert set(joined) <= listed, (joined, m)
         # unnamed ops agree again afterwards: the automatic names restart after a join
         assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [SIZE] * 2
         assert hvd.allgather(np.array([RANK])).tolist() == list(range(SIZE))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -117,3 +119,170 @@ def run_mpi(n: int, script, *args, timeout: float = 180, env: dict | None = None
         pytest.fail(f"mpirun -np {n} {script} exited with {proc.returncode}\n"
                     f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     return proc
+
+
+# -- parallel checks as pytest modules --------------------------------------------------------
+# A module of checks (``mpi_*.py``, not collected by the outer run) runs as
+# ``mpirun -np N python -m pytest -p mpi_plugin <module>``: every rank runs the same checks in
+# the same order, each rank writes one JSON line per test phase (mpi_plugin.py), and
+# ``mpi_checks`` turns every (check, N) into a test of the outer run, which passes when the
+# check passed on every rank.
+
+#: per check, on each rank: a SIGALRM ends it (pytest-timeout, stacks of every thread printed)
+CHECK_TIMEOUT_S = 120
+#: the test of a run's exit status: 0 when every check passed, pytest's 1 when some failed; a
+#: crash (a segmentation fault: 139), a rank killed, or a job stopped for a hang is none of these
+EXIT = "exit_status"
+_collected: dict[Path, list[str]] = {}
+_runs: dict[tuple, dict] = {}
+
+
+def _collect(module: Path) -> list[str]:
+    """The checks of ``module``. Every ``mpi_*.py`` of its directory is collected at once, in
+    one process of size 1 (a process that imports torch or TensorFlow takes seconds)."""
+    if module not in _collected:
+        modules = sorted(module.parent.glob("mpi_*.py"))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                               "-p", "no:cacheprovider", *map(str, modules)],
+                              capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                              timeout=300)
+        for path in modules:
+            _collected[path] = []
+        for line in proc.stdout.splitlines():
+            if "::" in line:
+                path, check = line.split("::", 1)
+                _collected.setdefault((ROOT / path).resolve(), []).append(check)
+        if not _collected.get(module):
+            raise RuntimeError(f"no checks collected from {module}:\n{proc.stdout}\n"
+                               f"{proc.stderr}")
+    return _collected[module]
+
+
+def _stacks(text: str) -> str:
+    """The stack dumps in one rank's output: pytest-timeout's (between "+++ Timeout +++"
+    lines) and faulthandler's watchdog ("Timeout (0:..)!" to the next blank line)."""
+    found, inside = [], False
+    for line in text.splitlines():
+        if re.search(r"\++ Timeout \++$", line):
+            inside = not inside
+            found.append(line)
+        elif inside or line.startswith(("Timeout (", "Fatal Python error")) or (found and (
+                line.startswith(("Thread 0x", "Current thread 0x", "  File ")))):
+            found.append(line)
+        elif found and found[-1] != "":
+            found.append("")
+    return "\n".join(found)
+
+
+def _run_checks(module: Path, n: int, env: dict | None, select: list[str], timeout: float,
+                tmp: Path) -> dict:
+    """One ``mpirun -np n`` of ``module`` (only the checks in ``select``, or all when empty):
+    {"checks": {check: {rank: (status, text)}}, "out": {rank: output}, "tail": mpirun's}."""
+    rank_var = "$OMPI_COMM_WORLD_RANK"
+    targets = " ".join(f"'{module}::{c}'" for c in select) if select else f"'{module}'"
+    program = (f"exec {sys.executable} -X faulthandler -m pytest -q -p no:cacheprovider "
+               f"-p mpi_plugin --timeout={CHECK_TIMEOUT_S} --timeout-method=signal "
+               f"-o timeout_func_only=true {targets} > {tmp}/out-{rank_var}.txt 2>&1")
+    extra = {"HVD_CHECKS_REPORT": str(tmp / "report-{rank}.jsonl"),
+             "PYTHONPATH": str(ROOT / "tests") + os.pathsep + str(ROOT)}
+    proc = subprocess.Popen(["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none",
+                             "sh", "-c", program], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=mpi_env({**(env or {}), **extra}), cwd=ROOT)
+    try:
+        tail, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # mpirun passes it on to the ranks
+        try:
+            tail, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            tail, _ = proc.communicate()
+        tail = f"(mpirun stopped after {timeout} s)\n{tail}"
+    checks: dict[str, dict[int, tuple[str, str]]] = {}
+    out: dict[int, str] = {}
+    for rank in range(n):
+        path = tmp / f"out-{rank}.txt"
+        out[rank] = path.read_text(errors="replace") if path.exists() else ""
+        report = tmp / f"report-{rank}.jsonl"
+        stacks = tmp / f"report-{rank}.jsonl.stacks"
+        if stacks.exists() and stacks.stat().st_size:  # the watchdog ended this rank
+            out[rank] += "\n" + stacks.read_text(errors="replace")
+        for line in (report.read_text().splitlines() if report.exists() else []):
+            try:
+                phase = json.loads(line)
+            except ValueError:  # a line cut short by a killed rank
+                continue
+            # a check has run once its call has a report, or its setup failed or skipped it
+            status, text = checks.setdefault(phase["id"], {}).get(rank, ("unfinished", ""))
+            if phase["when"] == "call" and phase["outcome"] == "passed" and status == "unfinished":
+                status = "passed"
+            if phase["outcome"] == "failed":
+                status, text = "failed", f"{text}\n[{phase['when']}] {phase['text']}".strip()
+            elif phase["outcome"] == "skipped" and status in ("passed", "unfinished"):
+                status = "xfailed" if phase["xfail"] is not None else "skipped"
+                text = phase["xfail"] or phase["text"]
+            checks[phase["id"]][rank] = (status, text)
+    return {"checks": checks, "out": out, "tail": (tail or "")[-4000:],
+            "returncode": proc.returncode}
+
+
+def mpi_checks(module, ranks=(2, 3, 4), *, env: dict | None = None, timeout: float = 900,
+               only: list[str] | None = None):
+    """A test function for the outer run: one test per (N in ``ranks``, check of ``module``),
+    with ``module`` run once per N under ``mpirun -np N`` (``env`` on top of mpi_env's; the
+    whole job stopped after ``timeout`` s). A check passes when it passed on every rank; a check
+    that failed shows every rank's failure (and, after a timeout, every rank's stacks); an
+    expected failure (``xfail(strict=True)``) on every rank is one here too. Assign it to a
+    ``test_*`` name: ``test_ops = mpi_checks(HERE / "mpi_ops.py")``. ``only``: these checks
+    of the module, not all."""
+    module = Path(module).resolve()
+    ids = _collect(module)
+    if only is not None:
+        assert set(only) <= set(ids), set(only) - set(ids)
+        ids = [c for c in ids if c in only]
+    key_env = tuple(sorted((env or {}).items())) + (tuple(only or ()),)
+
+    @pytest.mark.mpi
+    @pytest.mark.parametrize("check", [*ids, EXIT])
+    @pytest.mark.parametrize("ranks", ranks, ids=lambda n: f"np{n}")
+    def test(ranks, check, request, tmp_path_factory):
+        key = (module, ranks, key_env)
+        if key not in _runs:
+            # only the checks this session selected at this N (all of them, normally)
+            wanted = {item.callspec.params["check"] for item in request.session.items
+                      if getattr(item, "function", None) is request.function
+                      and item.callspec.params["ranks"] == ranks}
+            select = ([] if wanted >= set(ids) and only is None
+                      else [c for c in ids if c in wanted])
+            _runs[key] = _run_checks(module, ranks, env, select, timeout,
+                                     tmp_path_factory.mktemp(f"{module.stem}-np{ranks}"))
+        run = _runs[key]
+        if check == EXIT:
+            failed = any(status == "failed" for outcome in run["checks"].values()
+                         for status, _ in outcome.values())
+            assert run["returncode"] == (1 if failed else 0), (
+                f"mpirun -np {ranks} {module.name} ended with exit status {run['returncode']} "
+                f"(its checks {'failed' if failed else 'passed'}): a rank crashed, hung or "
+                f"ended badly\n{run['tail']}")
+            return
+        by_rank = run["checks"].get(check, {})
+        where = f"{module.name}::{check} under mpirun -np {ranks}"
+        missing = [r for r in range(ranks) if by_rank.get(r, ("unfinished",))[0] == "unfinished"]
+        problems = [f"rank {r} did not run it or did not finish it" for r in missing]
+        problems += [f"--- rank {r}: {status}\n{text}" for r, (status, text) in
+                     sorted(by_rank.items()) if status == "failed"]
+        statuses = {status for status, _ in by_rank.values()}
+        if not problems and len(statuses) > 1:
+            problems = [f"the ranks disagree: {sorted(by_rank.items())}"]
+        if problems:
+            stacks = [f"--- rank {r}'s stacks\n{s}" for r in range(ranks)
+                      if (s := _stacks(run["out"][r]))]
+            tail = [f"--- mpirun (exit {run['returncode']})\n{run['tail']}"] if missing else []
+            pytest.fail(f"{where}\n" + "\n".join(problems + stacks + tail), pytrace=False)
+        if statuses == {"xfailed"}:
+            pytest.xfail(by_rank[0][1])
+        if statuses == {"skipped"}:
+            pytest.skip(by_rank[0][1])
+
+    return test

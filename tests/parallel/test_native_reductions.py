@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from mpi_output import assert_every_rank_says
+from support import mpi_checks
 
 try:
     from hpc_horovod import _native  # noqa: F401
@@ -17,11 +17,5 @@ except ImportError:
     pytest.skip("no mpicc: the native extension cannot be built on this machine",
                 allow_module_level=True)
 
-WORKER = Path(__file__).with_name("native_reductions_worker.py")
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_half_sums_with_native_operations(mpirun, ranks):
-    proc = mpirun(ranks, WORKER, timeout=120)
-    assert_every_rank_says(proc, ranks, "native reductions ok")
+test_native_reductions = mpi_checks(Path(__file__).with_name("mpi_native_reductions.py"),
+                                    ranks=(2, 3))

@@ -1,18 +1,18 @@
 """``init`` after ``shutdown`` or after a fatal error gives a fresh, working engine on every rank
-(numpy and torch APIs): reinit_worker.py."""
+(numpy and torch APIs): the checks of mpi_reinit.py, each a test per N (support.mpi_checks).
+
+mpi_interrupt.py (an interrupted wait leaves nothing broken, issue 30 item 3) is not run here
+yet: after an interrupted wait, rank 0 can wait inside init()'s MPI calls for a peer that went
+on, which no timeout ends (the job then ends by the watchdog, taking the checks after it). Run
+it alone: mpirun -np 2 python -m pytest -p mpi_plugin tests/parallel/mpi_interrupt.py"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from mpi_output import by_rank
+from support import mpi_checks
 
-pytestmark = pytest.mark.mpi
+HERE = Path(__file__).parent
 
-
-def test_init_after_a_fatal_error_or_shutdown_gives_a_working_engine(mpirun):
-    proc = mpirun(2, Path(__file__).parent / "reinit_worker.py", timeout=150)
-    out = by_rank(proc)
-    for rank in range(2):
-        assert f"rank {rank}: reinit ok" in out[rank], proc.stdout + proc.stderr
+test_reinit = mpi_checks(HERE / "mpi_reinit.py", ranks=(2, 3),
+                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})

@@ -1,15 +1,21 @@
-"""Run on every rank by test_errors.py: metadata mismatches fail on every rank with the same
-Horovod text, and the engine stays usable afterwards. Prints ``rank R: errors ok``."""
+"""Metadata mismatches fail on every rank with the same Horovod text, and the engine stays
+usable afterwards: run by every rank of ``mpirun -np N python -m pytest`` (test_ops.py)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import hpc_horovod as hvd
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 FIRST = RANK == 0  # rank 0 disagrees with all the others
+
+
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init()  # a new engine after a check that stopped it
 
 
 def expect_failure(name: str, submit, text: str) -> None:
@@ -75,41 +81,40 @@ CASES = [
      "Mismatched data types: One rank had type float64, but another rank had type float32."),
 ]
 
-for name, submit, text in CASES:
+
+@pytest.mark.parametrize("name, submit, text", CASES, ids=[c[0] for c in CASES])
+def test_mismatch(name, submit, text):
     expect_failure(name, submit, text)
-print(f"rank {RANK}: every mismatch ok", flush=True)
 
-# A name agreed once lives in the response cache; changed metadata must still be caught.
-for _ in range(3):
+
+def test_mismatch_of_a_cached_name():
+    """A name agreed once lives in the response cache; changed metadata must still be caught."""
+    for _ in range(3):
+        assert hvd.allreduce(np.ones(3), op=hvd.Sum, name="cached").tolist() == [SIZE] * 3
+    expect_failure(
+        "cached",
+        lambda: hvd.allreduce_async(np.ones(3 if FIRST else 5), op=hvd.Sum, name="cached"),
+        "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [3], but another "
+        "rank sent a tensor of shape [5].")
     assert hvd.allreduce(np.ones(3), op=hvd.Sum, name="cached").tolist() == [SIZE] * 3
-expect_failure(
-    "cached", lambda: hvd.allreduce_async(np.ones(3 if FIRST else 5), op=hvd.Sum, name="cached"),
-    "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [3], but another rank "
-    "sent a tensor of shape [5].")
-assert hvd.allreduce(np.ones(3), op=hvd.Sum, name="cached").tolist() == [SIZE] * 3
-print(f"rank {RANK}: cached mismatch ok", flush=True)
 
-# Inside a group only the bad tensor fails.
-group = [np.ones(2), np.ones(3) if FIRST else np.ones(4), np.ones(5)]
-handles = hvd.grouped_allreduce_async(group, op=hvd.Sum, name="grp")
-assert hvd.synchronize(handles[0]).tolist() == [SIZE] * 2
-assert hvd.synchronize(handles[2]).tolist() == [SIZE] * 5
-try:
-    hvd.synchronize(handles[1])
-except hvd.HorovodInternalError as exc:
-    assert "Mismatched ALLREDUCE tensor shapes" in str(exc) and "'grp.1'" in str(exc)
-else:
-    raise AssertionError("the mismatched member of the group did not fail")
-print(f"rank {RANK}: grouped mismatch ok", flush=True)
 
-# Unnamed ops get the same automatic names on every rank, so a mismatch is still reported.
-try:
-    hvd.allreduce(np.ones(2) if FIRST else np.ones(2, np.float32))
-except hvd.HorovodInternalError as exc:
-    assert str(exc).startswith("Mismatched data types: One rank had type float64, but another "
-                               "rank had type float32. [tensor 'allreduce.noname."), str(exc)
-else:
-    raise AssertionError("unnamed mismatch not reported")
-assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [SIZE] * 2
-hvd.shutdown()
-print(f"rank {RANK}: errors ok", flush=True)
+def test_only_the_bad_member_of_a_group_fails():
+    group = [np.ones(2), np.ones(3) if FIRST else np.ones(4), np.ones(5)]
+    handles = hvd.grouped_allreduce_async(group, op=hvd.Sum, name="grp")
+    assert hvd.synchronize(handles[0]).tolist() == [SIZE] * 2
+    assert hvd.synchronize(handles[2]).tolist() == [SIZE] * 5
+    with pytest.raises(hvd.HorovodInternalError) as info:
+        hvd.synchronize(handles[1])
+    assert "Mismatched ALLREDUCE tensor shapes" in str(info.value), str(info.value)
+    assert "'grp.1'" in str(info.value), str(info.value)
+
+
+def test_unnamed_mismatch():
+    """Unnamed ops get the same automatic names on every rank: a mismatch is still reported."""
+    with pytest.raises(hvd.HorovodInternalError) as info:
+        hvd.allreduce(np.ones(2) if FIRST else np.ones(2, np.float32))
+    assert str(info.value).startswith(
+        "Mismatched data types: One rank had type float64, but another rank had type float32. "
+        "[tensor 'allreduce.noname."), str(info.value)
+    assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [SIZE] * 2

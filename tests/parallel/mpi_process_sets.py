@@ -1,4 +1,5 @@
-"""Run on every rank by test_ops.py with HOROVOD_DYNAMIC_PROCESS_SETS=1: static process sets
+"""Run by every rank of ``mpirun -np N python -m pytest`` (test_ops.py), with
+HOROVOD_DYNAMIC_PROCESS_SETS=1: static process sets
 (``init(process_sets=...)``), dynamic ones (``add_process_set``/``remove_process_set``), ops on a
 subset while the other ranks idle, and init -> shutdown -> init with sets. Root ranks are global
 ranks, as in Horovod. Prints ``rank R: process sets ok``."""
@@ -8,20 +9,25 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 import hpc_horovod as hvd
 from hpc_horovod.common.topology import detect
 
-LAUNCHED = detect().size  # the sets must exist before init
-even = hvd.ProcessSet(range(0, LAUNCHED, 2))
-odd = hvd.ProcessSet(range(1, LAUNCHED, 2))
-hvd.init(process_sets=[even, odd])
-RANK, SIZE = hvd.rank(), hvd.size()
+JOB = detect()  # the sets must exist before init
+RANK, SIZE = JOB.rank, max(JOB.size, 2)  # (a process alone only collects the checks)
+even = hvd.ProcessSet(range(0, SIZE, 2))
+odd = hvd.ProcessSet(range(1, SIZE, 2))
 mine = even if RANK % 2 == 0 else odd
 other = odd if mine is even else even
 
 
-def check_static_sets():
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init(process_sets=[even, odd])  # a new engine after a check that stopped it
+
+
+def test_static_sets():
     assert even.process_set_id != odd.process_set_id and 0 not in (even.process_set_id,
                                                                    odd.process_set_id)
     assert mine.included() and not other.included()
@@ -65,7 +71,7 @@ def check_static_sets():
         raise AssertionError("an op on a foreign process set was accepted")
 
 
-def check_subset_while_others_idle():
+def test_subset_while_others_idle():
     if RANK % 2 == 0:
         for step in range(50):
             got = hvd.allreduce(np.ones(1000, np.float32), op=hvd.Sum, process_set=even,
@@ -80,7 +86,7 @@ def check_subset_while_others_idle():
     assert hvd.synchronize(h_all).tolist() == [SIZE] * 2
 
 
-def check_mismatch_inside_a_set():
+def test_mismatch_inside_a_set():
     members = even.ranks
     if RANK % 2 or len(members) < 2:
         return
@@ -95,7 +101,7 @@ def check_mismatch_inside_a_set():
     assert hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=even).tolist() == [len(members)] * 2
 
 
-def check_dynamic_sets():
+def test_dynamic_sets():
     if SIZE > 2:  # every rank must add the same set (with 2 ranks, [0, 1] is the only new one)
         try:
             hvd.add_process_set([0, 1] if RANK == 0 else [1, 2])
@@ -139,7 +145,7 @@ def check_dynamic_sets():
     assert hvd.allreduce(np.ones(1), op=hvd.Sum).tolist() == [SIZE]
 
 
-def check_reinit_with_sets():
+def test_reinit_with_sets():
     hvd.shutdown()
     assert even.process_set_id is None
     hvd.init(process_sets=[even, odd])
@@ -148,7 +154,7 @@ def check_reinit_with_sets():
     assert got.tolist() == [len(mine.ranks)] * 2
 
 
-def check_init_with_a_communicator():
+def test_init_with_a_communicator():
     """``init(comm=...)``: an mpi4py communicator, or a list of world ranks, is the job."""
     from mpi4py import MPI
 
@@ -173,9 +179,3 @@ def check_init_with_a_communicator():
     assert hvd.size() == SIZE
 
 
-for check in [check_static_sets, check_subset_while_others_idle, check_mismatch_inside_a_set,
-              check_dynamic_sets, check_reinit_with_sets, check_init_with_a_communicator]:
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-hvd.shutdown()
-print(f"rank {RANK}: process sets ok", flush=True)

@@ -1,5 +1,6 @@
-"""Run on every rank by test_native_reductions.py: float16/bfloat16 sums with the native MPI
-operations, first on the MPI backend directly, then through hpc_horovod's API.
+"""Run by every rank of ``mpirun -np N python -m pytest`` (test_native_reductions.py):
+float16/bfloat16 sums with the native MPI operations, on the MPI backend directly and through
+hpc_horovod's API.
 
 With 2 ranks a sum is one reduction step, so the result is known bit for bit:
 ``round(float32(a) + float32(b))``. With more ranks MPI chooses the order of the steps; each
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import hpc_horovod as hvd
@@ -64,7 +66,13 @@ def check_sum(got: np.ndarray, xs: list[np.ndarray], what: str, scale: float = 1
         assert all(b == bits[0] for b in bits), f"{what}: ranks disagree"
 
 
-def check_backend() -> None:
+@pytest.fixture(autouse=True)
+def _stopped_engine():
+    yield
+    hvd.shutdown()
+
+
+def test_backend() -> None:
     backend = MpiBackend(MPI.COMM_WORLD.Dup())
     for dtype in (F16, BF16):
         for n in (7, 1_000_003):  # small: one step; large: Open MPI's segmented ring
@@ -89,7 +97,7 @@ def check_backend() -> None:
     backend.free()
 
 
-def check_api() -> None:
+def test_api() -> None:
     hvd.init()
     assert fusion.wire_dtype(F16, hvd.Sum) == F16 and fusion.wire_dtype(BF16, hvd.Average) == BF16
     assert fusion.wire_dtype(F16, hvd.Max) == np.float32  # no native Max: widened
@@ -115,8 +123,3 @@ def check_api() -> None:
                   f"reducescatter {dtype}", shared=False)
     hvd.shutdown()
 
-
-if __name__ == "__main__":
-    check_backend()
-    check_api()
-    print(f"rank {RANK}: native reductions ok")

@@ -1,13 +1,15 @@
-"""Run on every rank by test_ops.py: every collective, every dtype, checked against numpy
-references computed from the whole job's inputs. Prints ``rank R: ops ok`` at the end."""
+"""Every collective, every dtype, checked against numpy references computed from the whole job's
+inputs: run by every rank of ``mpirun -np N python -m pytest`` (test_ops.py, N = 2, 3, 4)."""
 
 from __future__ import annotations
 
 import itertools
 import time
 import warnings
+import zlib
 
 import numpy as np
+import pytest
 from reference import (
     FLOATS,
     NUMERIC,
@@ -28,6 +30,15 @@ OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max,
 seeds = itertools.count(1)
 
 
+@pytest.fixture(autouse=True)
+def _job(request):
+    """A running engine (a new one after a check that stopped it), and seeds of this check's
+    own: the same on every rank whatever the checks before did."""
+    global seeds
+    hvd.init()
+    seeds = itertools.count(zlib.crc32(request.node.name.encode()) % 10**6 * 1000)
+
+
 def close(got, expected, dtype, what):
     assert got.dtype == np.dtype(dtype), f"{what}: dtype {got.dtype} != {dtype}"
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
@@ -35,22 +46,27 @@ def close(got, expected, dtype, what):
                                err_msg=what, **tolerance(dtype))
 
 
-def check_allreduce_every_dtype_and_op():
-    for dtype, (op_name, op), shape in itertools.product(NUMERIC, OPS.items(),
-                                                         [(), (5,), (3, 4)]):
+@pytest.mark.parametrize("op_name", OPS)
+@pytest.mark.parametrize("dtype", NUMERIC, ids=str)
+def test_allreduce_every_dtype_and_op(dtype, op_name):
+    op = OPS[op_name]
+    for shape in [(), (5,), (3, 4)]:
         high = 2 if op == hvd.Product else 4
         low = -2 if op == hvd.Product else -4
         xs = inputs(SIZE, dtype, shape, next(seeds), low, high)
         got = hvd.allreduce(xs[RANK], op=op, name=f"ar.{dtype}.{op_name}.{len(shape)}")
         close(got, reduce_reference(xs, op), dtype, f"allreduce {dtype} {op_name} {shape}")
-    for op in (hvd.Min, hvd.Max):
-        xs = inputs(SIZE, bool, (7,), next(seeds))
-        got = hvd.allreduce(xs[RANK], op=op)
-        assert got.dtype == np.bool_
-        assert got.tolist() == reduce_reference(xs, op).tolist(), (op, got)
 
 
-def check_scaling_and_average():
+@pytest.mark.parametrize("op", [hvd.Min, hvd.Max], ids=["and", "or"])
+def test_allreduce_bool(op):
+    xs = inputs(SIZE, bool, (7,), next(seeds))
+    got = hvd.allreduce(xs[RANK], op=op)
+    assert got.dtype == np.bool_
+    assert got.tolist() == reduce_reference(xs, op).tolist(), (op, got)
+
+
+def test_scaling_and_average():
     for dtype in NUMERIC:
         xs = inputs(SIZE, dtype, (6,), next(seeds))
         for op, pre, post in [(hvd.Sum, 2.0, 3.0), (hvd.Average, 0.5, 4.0), (hvd.Max, 3.0, 1.0),
@@ -69,7 +85,7 @@ def check_scaling_and_average():
     close(hvd.allreduce(xs[RANK]), reduce_reference(xs, hvd.Average), np.float32, "default op")
 
 
-def check_in_place():
+def test_in_place():
     for dtype in (np.float32, np.float16, np.int64):
         xs = inputs(SIZE, dtype, (3, 3), next(seeds))
         buf = xs[RANK].copy()
@@ -82,7 +98,7 @@ def check_in_place():
     np.testing.assert_allclose(buf, adasum_reference(xs), rtol=1e-12)
 
 
-def check_adasum():
+def test_adasum():
     for dtype in FLOATS:
         xs = [x.astype(np.float64) for x in inputs(SIZE, np.float64, (4, 8), next(seeds))]
         xs = [(x + 0.25 * (r + 1)).astype(dtype) for r, x in enumerate(xs)]
@@ -108,7 +124,7 @@ def check_adasum():
     np.testing.assert_allclose(got, adasum_reference(xs, 0.5, 2.0), rtol=1e-5, atol=1e-6)
 
 
-def check_grouped():
+def test_grouped():
     dtypes = [np.float32, np.float64, np.int32, np.float16]
     xs = [inputs(SIZE, d, (r + 2, 3), next(seeds)) for r, d in enumerate(dtypes)]
     outs = hvd.grouped_allreduce([x[RANK] for x in xs], op=hvd.Sum, name="grouped")
@@ -127,7 +143,7 @@ def check_grouped():
         np.testing.assert_array_equal(out, full[start:start + counts[RANK]])
 
 
-def check_allgather():
+def test_allgather():
     for dtype in SUPPORTED_DTYPES:
         for rest in [(), (3,), (2, 2)]:
             # a different number of rows per rank, one rank with none at all
@@ -141,7 +157,7 @@ def check_allgather():
     assert scalar.tolist() == list(range(SIZE))
 
 
-def check_broadcast():
+def test_broadcast():
     for dtype, root in itertools.product(SUPPORTED_DTYPES, range(SIZE)):
         xs = inputs(SIZE, dtype, (4, 3), next(seeds))
         original = xs[RANK].copy()
@@ -157,7 +173,7 @@ def check_broadcast():
     assert scalar.shape == () and float(scalar) == SIZE - 0.5
 
 
-def check_alltoall():
+def test_alltoall():
     for dtype in SUPPORTED_DTYPES:
         xs = inputs(SIZE, dtype, (2 * SIZE, 3), next(seeds))
         got, splits = hvd.alltoall(xs[RANK], name=f"a2a.{dtype}")
@@ -191,7 +207,7 @@ def check_alltoall():
         raise AssertionError("alltoall accepted a wrong number of splits")
 
 
-def check_reducescatter():
+def test_reducescatter():
     for dtype, rows in itertools.product([np.float16, np.float32, np.int32, np.float64],
                                          [2 * SIZE, 2 * SIZE + 1, SIZE - 1]):
         for op in (hvd.Sum, hvd.Average, hvd.Max):
@@ -206,7 +222,7 @@ def check_reducescatter():
     close(got, reduce_reference(xs, hvd.Sum)[RANK:RANK + 1], np.float32, "scaled reducescatter")
 
 
-def check_out_of_order_submission():
+def test_out_of_order_submission():
     names = ["a", "b", "c", "d"]
     order = names if RANK % 2 == 0 else names[::-1]
     xs = {n: inputs(SIZE, np.float32, (8,), 1000 + i) for i, n in enumerate(names)}
@@ -231,7 +247,7 @@ def check_out_of_order_submission():
     assert hvd.synchronize(h_gather).tolist() == sum([[r, r] for r in range(SIZE)], [])
 
 
-def check_duplicate_name_in_flight():
+def test_duplicate_name_in_flight():
     if RANK == 0:
         first = hvd.allreduce_async(np.ones(2), name="dup", op=hvd.Sum)
         try:
@@ -247,7 +263,7 @@ def check_duplicate_name_in_flight():
     assert hvd.synchronize(first).tolist() == [SIZE, SIZE]
 
 
-def check_barrier_and_objects():
+def test_barrier_and_objects():
     for _ in range(3):
         hvd.barrier()
     obj = {"rank": RANK, "payload": list(range(RANK * 100)), "fn": lambda v: v * 2}
@@ -261,7 +277,7 @@ def check_barrier_and_objects():
     assert hvd.broadcast_object(None if RANK else [1, 2], root_rank=0) == [1, 2]
 
 
-def check_poll_and_many_in_flight():
+def test_poll_and_many_in_flight():
     handles = [hvd.allreduce_async(np.full(3, RANK + i, np.int64), op=hvd.Sum)
                for i in range(64)]
     deadline = time.monotonic() + 60
@@ -272,7 +288,7 @@ def check_poll_and_many_in_flight():
         assert hvd.synchronize(h).tolist() == [sum(r + i for r in range(SIZE))] * 3
 
 
-def check_queries():
+def test_queries():
     assert hvd.local_size() == SIZE and hvd.local_rank() == RANK  # one machine
     assert hvd.cross_size() == 1 and hvd.cross_rank() == 0
     assert hvd.is_homogeneous() and hvd.mpi_enabled() and hvd.mpi_built()
@@ -280,7 +296,7 @@ def check_queries():
     assert hvd.global_process_set.size() == SIZE and hvd.global_process_set.rank() == RANK
 
 
-def check_reinit():
+def test_reinit():
     hvd.shutdown()
     assert not hvd.is_initialized()
     hvd.init()
@@ -291,12 +307,3 @@ def check_reinit():
     assert hvd.allgather(np.array([RANK])).tolist() == list(range(SIZE))
 
 
-for check in [check_queries, check_allreduce_every_dtype_and_op, check_scaling_and_average,
-              check_in_place, check_adasum, check_grouped, check_allgather, check_broadcast,
-              check_alltoall, check_reducescatter, check_out_of_order_submission,
-              check_duplicate_name_in_flight, check_barrier_and_objects,
-              check_poll_and_many_in_flight, check_reinit]:
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-hvd.shutdown()
-print(f"rank {RANK}: ops ok", flush=True)

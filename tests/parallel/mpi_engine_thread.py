@@ -1,16 +1,16 @@
-"""Run on every rank by test_engine_thread.py: who runs the engine's cycles while a caller
-waits for a peer that comes late. The waiting caller runs them, the engine thread leaves them to
-it (a cycle of its own would only make the caller wait for the lock), and another thread's
-asynchronous op still moves meanwhile, through the caller's cycles on this rank and the engine
-thread's on the late one."""
+"""Run by every rank of ``mpirun -np N python -m pytest`` (test_engine_thread.py): who runs the
+engine's cycles while a caller waits for a peer that comes late. The waiting caller runs them,
+the engine thread leaves them to it (a cycle of its own would only make the caller wait for the
+lock), and another thread's asynchronous op still moves meanwhile, through the caller's cycles
+on this rank and the engine thread's on the late one."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import hpc_horovod as hvd
@@ -20,6 +20,16 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 LATE = SIZE - 1
 DELAY_S = 0.5
+
+
+@pytest.fixture
+def on_thread():
+    """Times at which the engine thread itself ran a cycle (a spy on the real method)."""
+    hvd.init()
+    engine = basics.engine()
+    times = count_engine_thread_cycles(engine)
+    yield times
+    del engine._guarded_cycle  # the class's method again
 
 
 def count_engine_thread_cycles(engine) -> list[float]:
@@ -36,7 +46,7 @@ def count_engine_thread_cycles(engine) -> list[float]:
     return times
 
 
-def check_the_waiting_caller_runs_the_cycles(engine, on_thread: list[float]) -> None:
+def test_the_waiting_caller_runs_the_cycles(on_thread: list[float]) -> None:
     for variant, submit in enumerate((hvd.allreduce_, lambda x, name, op: hvd.synchronize(
             hvd.allreduce_async_(x, name=name, op=op)))):  # the async one wakes the thread
         COMM.Barrier()
@@ -53,7 +63,8 @@ def check_the_waiting_caller_runs_the_cycles(engine, on_thread: list[float]) -> 
             assert waited > DELAY_S / 2 and ran <= 3, f"{ran} engine thread cycles in {waited}s"
 
 
-def check_another_threads_op_moves_meanwhile() -> None:
+def test_another_threads_op_moves_meanwhile() -> None:
+    hvd.init()
     COMM.Barrier()
     side_done = threading.Event()
 
@@ -81,16 +92,3 @@ def check_another_threads_op_moves_meanwhile() -> None:
         thread.join(30)
     assert np.all(x == SIZE)
 
-
-def main() -> None:
-    hvd.init()
-    engine = basics.engine()
-    on_thread = count_engine_thread_cycles(engine)
-    check_the_waiting_caller_runs_the_cycles(engine, on_thread)
-    check_another_threads_op_moves_meanwhile()
-    hvd.shutdown()
-    print(f"rank {RANK}: engine thread ok", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -173,8 +173,7 @@ def match(gathered: list[list[tuple[str, Signature]]], joined: set[int],
             # may never submit this name (automatic names drift apart once some ranks joined
             # and others got this very error), and they get the same refusal for theirs.
             errors.append((name, f"{first.kind.capitalize()} is not supported with Join at "
-                                 f"this time: ranks {sorted(members[r] for r in joined)} have "
-                                 f"joined [tensor '{name}']"))
+                                 f"this time. [tensor '{name}']"))
             continue
         missing = [r for r in range(size) if r not in by_rank and r not in joined]
         if missing:

@@ -159,13 +159,10 @@ def test_unsupported_collective_after_join_fails_alike_on_every_rank(what, named
         _after_join(joined, call, f"{what}, joined {joined}")
         messages = [m for m in hvd.allgather_object(message) if m is not None]
         assert len(messages) == SIZE - len(joined), messages
-        # the same error on every rank that called it; which ranks it says have joined may
-        # include ranks that got this error first and joined since (timing), so not compared
-        kinds = {m.split(":")[0] for m in messages}
-        assert len(kinds) == 1, messages
-        for m in messages:
-            listed = {int(r) for r in m.split("ranks [", 1)[1].split("]")[0].split(",")}
-            assert set(joined) <= listed, (joined, m)
+        # the same error on every rank that called it (unnamed ops: but for each rank's name)
+        assert len({m.split(" [tensor ")[0] for m in messages}) == 1, messages
+        if named:
+            assert len(set(messages)) == 1, messages
         # unnamed ops agree again afterwards: the automatic names restart after a join
         assert hvd.allreduce(np.ones(2), op=hvd.Sum).tolist() == [SIZE] * 2
         assert hvd.allgather(np.array([RANK])).tolist() == list(range(SIZE))

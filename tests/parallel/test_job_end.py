@@ -30,9 +30,9 @@ NAMES_RANK_1 = {
                  "[tensor 'shapes.differ': rank 0 vs rank 1]"],
     "exit": ["Rank(s) 1 called shutdown while this rank still runs",
              "job failed: rank(s) 1 finished"],
-    "join_allgather": ["Allgather is not supported with Join at this time: ranks [0] have joined",
+    "join_allgather": ["Allgather is not supported with Join at this time.",
                        "job failed: rank 1 failed first: HorovodInternalError: Allgather"],
-    "join_broadcast": ["Broadcast is not supported with Join at this time: ranks [0] have joined",
+    "join_broadcast": ["Broadcast is not supported with Join at this time.",
                        "job failed: rank 1 failed first: HorovodInternalError: Broadcast"],
 }
 

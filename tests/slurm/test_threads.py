@@ -65,8 +65,10 @@ def test_init_warns_once_when_torch_has_more_threads_than_cpus(slurm):
     assert "[hpc_horovod] warning" not in fits.stderr, fits.stderr
 
 
-def test_threads_within_the_allocation_are_fine():
-    """Without SLURM nothing is said; in a step, OMP_NUM_THREADS against the task's share."""
+def test_threads_within_the_allocation_are_fine(monkeypatch):
+    """Without SLURM nothing is said; in a step, OMP_NUM_THREADS against the task's share
+    (torch, which other tests of this process imported, would be asked first: it is hidden)."""
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
     topo = Topology(rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
                     hostname="h1", launcher="slurm")
     assert preflight.check_threads({"OMP_NUM_THREADS": "8"}, topo, affinity=8) == []

@@ -164,10 +164,9 @@ class PeerWatch:
             listener.settimeout(left)
             conn, _ = listener.accept()
             conn.settimeout(left)
-            hello = conn.makefile("rb").readline()
             try:
-                message = json.loads(hello)
-            except ValueError:
+                message = json.loads(_hello(conn))
+            except (OSError, ValueError):
                 message = {}
             if message.get("token") != token:  # not one of ours
                 conn.close()
@@ -319,6 +318,18 @@ class PeerWatch:
         first = not self._reported
         self._reported = True
         self._on_failure(text, culprit, lost, first)
+
+
+def _hello(conn: socket.socket, limit: int = 4096) -> bytes:
+    """The first line on a new connection, read a byte at a time: what follows it is the
+    watch thread's to read, not a buffer's that would be dropped with it."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < limit:
+        byte = conn.recv(1)
+        if not byte:
+            break
+        line += byte
+    return line
 
 
 def _ranks(ranks) -> str:

@@ -9,8 +9,9 @@ sees:
 
 * ``state.commit()`` saves the state in memory (Horovod's semantics); then rank 0 writes it
   atomically to ``COMMIT_FILE`` there.
-* At the wrapper's start, rank 0 writes ``ranks/world.json`` (each rank's host); if a commit
-  exists, rank 0 loads it, the reset callbacks run, and the state is synced from rank 0.
+* At the wrapper's start, rank 0 writes ``ranks/world.json`` (each rank's host) and loads the
+  commit if one exists; the state is synced from rank 0; after a restart the reset callbacks
+  then run on every rank, each seeing the same committed state and the new ``hvd.size()``.
 * A rank ends with a record ``ranks/<rank>.json``: ``done`` (the script ended normally after
   the wrapper returned), ``restart`` (a peer was lost, or hosts were updated: the process exits
   with :data:`RESTART_EXIT`), or ``failed`` (an error of the script's own: no restart).
@@ -210,8 +211,9 @@ def _restart(rank: int, reason: str) -> None:
 def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
     """The ``hvd.elastic.run`` decorator over ``func(state, ...)``.
 
-    On start: rank 0 records the world and loads the durable commit if there is one (then the
-    reset callbacks run, as after a reset), and the state is synced from rank 0. A lost peer
+    On start: rank 0 records the world and loads the durable commit if there is one, the state
+    is synced from rank 0, and, when a commit was loaded, the reset callbacks run (as after a
+    reset in Horovod). A lost peer
     (:class:`HorovodInternalError` from a rank that ended without a word) or a
     :class:`HostsUpdatedInterrupt` ends the process with :data:`RESTART_EXIT` when an elastic
     launcher started it; without one, they propagate. ``reset`` (``shutdown`` then ``init``)
@@ -234,9 +236,10 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 data = json.dumps({"hosts": hosts}).encode()
                 atomic_write(elastic_dir() / RANKS_DIR / WORLD_FILE, lambda fh: fh.write(data))
         try:
-            if state.load_durable():
-                state.on_reset()
+            restarted = state.load_durable()
             state.sync()
+            if restarted:
+                state.on_reset()
             result = func(state, *args, **kwargs)
         except HostsUpdatedInterrupt as exc:
             if not launched:

@@ -55,12 +55,17 @@ def elastic_dir() -> Path | None:
     return Path(value) if value else None
 
 
+def host_name() -> str:
+    """This rank's node as SLURM names it (``--exclude`` takes it), else its host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def write_record(rank: int, status: str, reason: str = "") -> None:
     """This rank's end record for the launcher (nothing without ``HOROVOD_ELASTIC_DIR``)."""
     directory = elastic_dir()
     if directory is None:
         return
-    data = json.dumps({"rank": rank, "status": status, "host": socket.gethostname(),
+    data = json.dumps({"rank": rank, "status": status, "host": host_name(),
                        "reason": reason}).encode()
     atomic_write(directory / RANKS_DIR / f"{rank}.json", lambda fh: fh.write(data))
 
@@ -224,15 +229,14 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         from . import basics
+        from .ops import allgather_object
 
         rank = basics.rank()
         launched = elastic_dir() is not None
         if launched:
             basics.on_peer_lost = lambda text: _restart(rank, text)
+            hosts = allgather_object(host_name(), name="hpc_horovod.elastic.hosts")
             if rank == 0:
-                runtime = basics._runtime
-                hosts = (runtime.watch.hosts if runtime.watch is not None
-                         else [socket.gethostname()])
                 data = json.dumps({"hosts": hosts}).encode()
                 atomic_write(elastic_dir() / RANKS_DIR / WORLD_FILE, lambda fh: fh.write(data))
         try:

@@ -198,8 +198,9 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
         restart = outcome.with_status("restart")
         lost = outcome.lost
         if not restart:
-            _say(f"every rank ended without a record (lost, or killed by the launcher): no "
-                 f"rank is left to restart from. The last commit stays in {directory}")
+            _say(f"rank(s) {_ranks(lost)} ended without a record (lost, or killed by the "
+                 "launcher) and no rank asked for a restart: stopping. The last commit stays "
+                 f"in {directory}")
             return status or 1
         new_lost_hosts = sorted({outcome.hosts[r] for r in lost} - set(lost_hosts))
         lost_hosts += new_lost_hosts

@@ -163,7 +163,7 @@ class Runtime:
         self.engine.peer_failed(error)
         if first:
             self.first_culprit = culprit
-        if lost and self.topology.rank == 0:
+        if lost and self.topology.rank == 0 and on_peer_lost is None:  # else: a restart
             self.print_summary(self.first_culprit)
         if lost:
             timer = threading.Timer(LOST_GRACE_S, self._exit_after_loss, args=(text,))

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint import atomic_write
-from .errors import HorovodInternalError, HostsUpdatedInterrupt
+from .errors import HostsUpdatedInterrupt
 
 #: exit status of a rank that asks its launcher for a restart (``EX_TEMPFAIL``: try again)
 RESTART_EXIT = 75
@@ -199,8 +199,14 @@ class ObjectState(State):
             setattr(self, name, value)
 
 
-def _peer_lost(error: BaseException) -> bool:
-    return isinstance(error, HorovodInternalError) and error.peer_lost
+def _lost_peer(basics) -> str | None:
+    """Why this rank's job lost a peer (the first line of the error), if that is what stopped
+    its engine: a peer that ended without a word, not one that failed on an error."""
+    runtime = basics._runtime
+    error = None if runtime is None else runtime.engine.peer_error
+    if error is None or not error.peer_lost:
+        return None
+    return str(error).splitlines()[0]
 
 
 def _restart(rank: int, reason: str) -> None:
@@ -218,11 +224,12 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
 
     On start: rank 0 records the world and loads the durable commit if there is one, the state
     is synced from rank 0, and, when a commit was loaded, the reset callbacks run (as after a
-    reset in Horovod). A lost peer
-    (:class:`HorovodInternalError` from a rank that ended without a word) or a
-    :class:`HostsUpdatedInterrupt` ends the process with :data:`RESTART_EXIT` when an elastic
-    launcher started it; without one, they propagate. ``reset`` (``shutdown`` then ``init``)
-    is not needed: a restart is a new process.
+    reset in Horovod). When an elastic launcher started the process, an error raised while a
+    peer was lost (the engine stopped because a rank ended without a word, whatever type the
+    error took on its way up, e.g. through ``tf.function``) or a
+    :class:`HostsUpdatedInterrupt` ends the process with :data:`RESTART_EXIT`; any other error
+    is recorded as a failure and raised. Without a launcher, errors propagate. ``reset``
+    (``shutdown`` then ``init``) is not needed: a restart is a new process.
     """
     del reset
 
@@ -245,19 +252,15 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
             if restarted:
                 state.on_reset()
             result = func(state, *args, **kwargs)
-        except HostsUpdatedInterrupt as exc:
+        except BaseException as exc:
             if not launched:
                 raise
-            _restart(rank, "hosts updated" + (" (some removed)" if exc.skip_sync else ""))
-        except HorovodInternalError as exc:
-            if not (launched and _peer_lost(exc)):
-                if launched:
-                    write_record(rank, "failed", str(exc).splitlines()[0])
-                raise
-            _restart(rank, str(exc).splitlines()[0])
-        except BaseException as exc:
-            if launched:
-                write_record(rank, "failed", f"{type(exc).__name__}: {exc}".splitlines()[0])
+            lost = _lost_peer(basics)
+            if lost is not None:  # whatever the error became on its way (tf.function's)
+                _restart(rank, lost)
+            if isinstance(exc, HostsUpdatedInterrupt):
+                _restart(rank, "hosts updated" + (" (some removed)" if exc.skip_sync else ""))
+            write_record(rank, "failed", f"{type(exc).__name__}: {exc}".splitlines()[0])
             raise
         if launched:
             basics.on_peer_lost = None

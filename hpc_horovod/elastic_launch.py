@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .common.elastic import RANKS_DIR, WORLD_FILE
+from .common.elastic import COMMIT_FILE, RANKS_DIR, WORLD_FILE
 from .launch import Launch, _hosts, build_command, launcher_env
 
 #: how long the ranks may take to end after one of them asked for a restart (Horovod's
@@ -167,6 +167,15 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
     attempt = replace(launch, elastic=True, np=min(launch.np, elastic.max_np))
     lost_hosts: list[str] = []
     lost_count = resets = 0
+
+    def stop(text: str, status: int) -> int:
+        """The end of a training that did not finish: say why, and where its commit is."""
+        if (directory / COMMIT_FILE).exists():
+            text += f". The last commit stays in {directory}"
+        elif owned:
+            shutil.rmtree(directory, ignore_errors=True)
+        _say(text)
+        return status or 1
     while True:
         shutil.rmtree(directory / RANKS_DIR, ignore_errors=True)
         (directory / RANKS_DIR).mkdir(parents=True, exist_ok=True)
@@ -182,9 +191,9 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
             raise
         outcome = read_outcome(directory)
         if outcome is None:
-            _say("no rank reached hvd.elastic.run (see the ranks' output above): elastic "
-                 "training needs the training in a function decorated with hvd.elastic.run")
-            return status or 1
+            return stop("no rank reached hvd.elastic.run (see the ranks' output above): elastic "
+                        "training needs the training in a function decorated with "
+                        "hvd.elastic.run", status)
         if not outcome.lost and len(outcome.with_status("done")) == len(outcome.hosts):
             if owned:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -192,16 +201,13 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
         failed = outcome.with_status("failed")
         if failed:
             reason = outcome.records[failed[0]].get("reason", "")
-            _say(f"rank(s) {_ranks(failed)} failed on an error of the script ({reason}); no "
-                 f"restart: it would fail the same way. The last commit stays in {directory}")
-            return status or 1
+            return stop(f"rank(s) {_ranks(failed)} failed on an error of the script ({reason}); "
+                        "no restart: it would fail the same way", status)
         restart = outcome.with_status("restart")
         lost = outcome.lost
         if not restart:
-            _say(f"rank(s) {_ranks(lost)} ended without a record (lost, or killed by the "
-                 "launcher) and no rank asked for a restart: stopping. The last commit stays "
-                 f"in {directory}")
-            return status or 1
+            return stop(f"rank(s) {_ranks(lost)} ended without a record (lost, or killed by the "
+                        "launcher) and no rank asked for a restart: stopping", status)
         new_lost_hosts = sorted({outcome.hosts[r] for r in lost} - set(lost_hosts))
         lost_hosts += new_lost_hosts
         lost_count += len(lost)
@@ -224,14 +230,11 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
         everything = (f"{lost_count} rank(s) lost in all"
                       + (f", host(s) {', '.join(lost_hosts)}" if lost_hosts else ""))
         if np_ < elastic.min_np:
-            _say(f"{what}; only {np_} process(es) could run, fewer than --min-np "
-                 f"{elastic.min_np}: stopping ({everything}). The last commit stays in "
-                 f"{directory}")
-            return status or 1
+            return stop(f"{what}; only {np_} process(es) could run, fewer than --min-np "
+                        f"{elastic.min_np}: stopping ({everything})", status)
         if elastic.reset_limit is not None and resets >= elastic.reset_limit:
-            _say(f"{what}; the reset limit ({elastic.reset_limit}) is reached: stopping "
-                 f"({everything}). The last commit stays in {directory}")
-            return status or 1
+            return stop(f"{what}; the reset limit ({elastic.reset_limit}) is reached: stopping "
+                        f"({everything})", status)
         resets += 1
         _say(f"{what}; restarting {np_} process(es) from the last commit (reset {resets}"
              + (f" of at most {elastic.reset_limit}" if elastic.reset_limit is not None else "")

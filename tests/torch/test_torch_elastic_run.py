@@ -67,11 +67,20 @@ def test_fewer_ranks_than_min_np_stop_with_what_was_lost(tmp_path: Path):
     assert "job failed" not in out, "a loss the launcher handles is not the job's failure"
 
 
-def test_a_reset_limit_of_zero_allows_no_restart(tmp_path: Path):
+def test_a_stopped_training_resumes_from_its_commit_in_a_new_job(tmp_path: Path):
+    """A requeued SLURM job finds its commit the same way: the directory is the job's."""
     proc = elastic_run(tmp_path, "--min-np", "2", "--max-np", "3", "--reset-limit", "0",
-                       "-np", "3", worker_args=FAST_KILL)
+                       "-np", "3")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "the reset limit (0) is reached: stopping" in out, out
+    assert f"The last commit stays in {tmp_path / 'elastic'}" in out, out
+    proc = elastic_run(tmp_path, "--min-np", "2", "-np", "2")  # no kill at this size
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "reset callback: rank 1 of 2, epoch 1, processed 12" in out, out
+    counts = committed(tmp_path)
+    assert set(counts.values()) == {1} and sorted(counts) == [(e, i) for e in range(3)
+                                                               for i in range(48)]
 
 
 def test_a_script_without_the_elastic_wrapper_is_named(tmp_path: Path):

@@ -39,6 +39,7 @@ lint: venv
 bench: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/training.py --processes 2 $(if $(BEFORE),--compare-with $(BEFORE))
+	$(PY) benchmarks/elastic_commit.py
 	$(PY) benchmarks/report.py
 
 clean:

@@ -209,6 +209,25 @@ def training_lines(result: dict) -> list[str]:
     return lines
 
 
+def elastic_commit_lines(result: dict) -> list[str]:
+    meta = result["meta"]
+    lines = ["## Elastic commit", "", *run_lines(meta),
+             f"`state.commit()` of a `TorchState` (a two-layer MLP and its Adam optimizer: the "
+             f"state is three times the parameters), one process, {result['rows'][0]['reps']} "
+             "reps of each case alternated: median (range). In memory: no "
+             "`HOROVOD_ELASTIC_DIR`, the state is copied in host memory. Durable: rank 0 also "
+             "writes it atomically (temporary file, fsync, rename) to a directory on "
+             f"{meta['filesystem']}. One training step (batch 32) of the same model for scale.", ""]
+    rows = []
+    for r in result["rows"]:
+        rows.append([f"{r['param_bytes'] / MIB:.0f} MiB", f"{r['file_bytes'] / MIB:.0f} MiB",
+                     *(f"{fmt_time(r[f'{case}_median_s'])} ({fmt_time(r[f'{case}_min_s'])} - "
+                       f"{fmt_time(r[f'{case}_max_s'])})" for case in ("step", "memory",
+                                                                       "durable"))])
+    return lines + table(["parameters", "commit file", "training step", "commit in memory",
+                          "durable commit"], rows)
+
+
 # -- the page ----------------------------------------------------------------------------------
 
 def render(results: dict[str, dict], plot: str | None) -> str:
@@ -228,6 +247,8 @@ def render(results: dict[str, dict], plot: str | None) -> str:
             lines += allreduce_lines(results[name], plot if name == "allreduce" else None)
     if training is not None:
         lines += training_lines(training)
+    if "elastic_commit" in results:
+        lines += elastic_commit_lines(results["elastic_commit"])
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -4,8 +4,10 @@
 ``hpc-horovod run -np 4 -H a:2,b:2 python train.py`` (``mpirun`` with the hosts, or ``srun``
 inside a SLURM allocation). The tuning flags become the ``HOROVOD_*`` variables they stand for,
 set in the launcher's environment and forwarded to every rank. Flags of Horovod's launcher that
-this package cannot honour (Gloo, elastic training, the autotuner, ssh options, ...) stop the
-command with an error that says why, instead of being ignored.
+this package cannot honour (Gloo, host discovery, the autotuner, ssh options, ...) stop the
+command with an error that says why, instead of being ignored. The elastic flags
+(``--min-np``, ``--max-np``, ``--reset-limit``, ``--elastic-timeout``) start
+``hpc-horovod run``'s elastic launcher (:mod:`hpc_horovod.elastic_launch`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from . import check_build
+from .elastic_launch import Elastic, run_elastic
 from .launch import Launch, exit_status, run_launch
 from .version import __version__
 
@@ -24,12 +27,11 @@ UNSUPPORTED = {
     "--gloo": "hpc_horovod has no Gloo controller: it runs over MPI (drop --gloo)",
     "--jsrun": "hpc_horovod launches with mpirun or srun, not jsrun (drop --jsrun)",
     "--start-timeout": "the ranks start under mpirun or srun, which wait for them themselves",
-    "--elastic-timeout": "elastic training is not supported",
-    "--min-np": "elastic training is not supported: give a fixed -np",
-    "--max-np": "elastic training is not supported: give a fixed -np",
-    "--host-discovery-script": "elastic training is not supported: give -H or --hostfile",
-    "--reset-limit": "elastic training is not supported",
-    "--blacklist-cooldown-range": "elastic training is not supported",
+    "--host-discovery-script": "elastic training runs on the hosts of -H, --hostfile or the "
+                               "SLURM allocation, without lost ones; there is no discovery "
+                               "script and no scale-up (see docs/horovod-differences.md)",
+    "--blacklist-cooldown-range": "a lost host is left out for the rest of the job: there is "
+                                  "no cooldown",
     "--slots-per-host": "slots come with the hosts here: -H host:slots or --hostfile",
     "--slots": "slots come with the hosts here: -H host:slots or --hostfile",
     "--autotune": "there is no autotuner: set --fusion-threshold-mb and --cycle-time-ms",
@@ -121,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                    help="HOROVOD_LOG_LEVEL")
+    elastic = p.add_argument_group("elastic training (hpc-horovod run's)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="restart on what is left after a lost rank while at least this "
+                              "many processes can run")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="at most this many processes")
+    elastic.add_argument("--reset-limit", type=int, help="at most this many restarts")
+    elastic.add_argument("--elastic-timeout", type=float,
+                         help="seconds the ranks may take to end after one asked for a restart")
     for flag in UNSUPPORTED:
         p.add_argument(flag, action=_Refuse, dest_flag=flag, help=argparse.SUPPRESS,
                              nargs=0 if flag in FLAGS_WITHOUT_VALUE else None,
@@ -163,13 +174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_build:
         print(check_build.report())
         return 0
+    elastic = args.min_np is not None or args.max_np is not None
+    if args.np is None and elastic:
+        args.np = args.max_np if args.max_np is not None else args.min_np
     if args.np is None:
         parser.error("-np/--num-proc is required")
+    if not elastic and (args.reset_limit is not None or args.elastic_timeout is not None):
+        parser.error("--reset-limit and --elastic-timeout need --min-np or --max-np")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     launch = Launch(np=args.np, command=tuple(command), hosts=args.hosts,
                     hostfile=args.hostfile, mpi_args=args.mpi_args)
+    if elastic:
+        bounds = Elastic.from_args(args)
+        return exit_status("horovodrun", lambda: run_elastic(
+            launch, bounds, horovod_env(args), verbose=args.verbose))
     return exit_status("horovodrun",
                        lambda: run_launch(launch, horovod_env(args), verbose=args.verbose))
 

@@ -50,6 +50,11 @@ class Launch:
     mpi_args: str | None = None
     srun_mpi: str = "pmix"
     no_srun: bool = False
+    #: elastic training (``--min-np``): a failed rank does not end the others, which end by
+    #: themselves and say why (``hpc_horovod.elastic_launch``); ``exclude``: nodes left out
+    elastic: bool = False
+    exclude: tuple[str, ...] = ()
+    nodes: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Launch:
@@ -138,8 +143,13 @@ def build_command(args: Launch, env: Mapping[str, str] | None = None,
     in_allocation = "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and not args.hosts \
         and not args.hostfile and not args.no_srun
     if in_allocation and shutil.which("srun"):
-        return ["srun", f"--ntasks={args.np}", f"--mpi={args.srun_mpi}", "--kill-on-bad-exit=1",
-                "--label", *args.command]
+        if not args.elastic:
+            return ["srun", f"--ntasks={args.np}", f"--mpi={args.srun_mpi}",
+                    "--kill-on-bad-exit=1", "--label", *args.command]
+        exclude = [f"--exclude={','.join(args.exclude)}"] if args.exclude else []
+        exclude += [f"--nodes={args.nodes}"] if args.nodes else []
+        return ["srun", f"--ntasks={args.np}", f"--mpi={args.srun_mpi}", "--kill-on-bad-exit=0",
+                "--label", *exclude, *args.command]
     launcher = shutil.which("mpirun") or shutil.which("mpiexec")
     if launcher is None:
         raise RuntimeError("no mpirun or mpiexec on PATH: `module load openmpi` on a cluster, "
@@ -147,7 +157,12 @@ def build_command(args: Launch, env: Mapping[str, str] | None = None,
     flavour = mpi_flavour(launcher)
     hosts = _hosts(args)
     cmd = [launcher, "-np", str(args.np)]
+    if args.elastic and flavour != "openmpi":
+        raise ValueError("elastic training (--min-np) outside SLURM needs Open MPI's mpirun "
+                         f"(its --enable-recovery); found {launcher} ({flavour})")
     if flavour == "openmpi":
+        # the survivors of a lost rank end by themselves, with their records
+        cmd += ["--enable-recovery"] if args.elastic else []
         cmd += _binding(args.np, hosts, physical_cores() if cores is None else cores)
         cmd.append("--tag-output")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -189,6 +204,14 @@ def run_launch(launch: Launch, extra_env: Mapping[str, str] | None = None,
 
 
 def run(args) -> int:
+    if args.min_np is not None or args.max_np is not None:
+        from .elastic_launch import Elastic, run_elastic
+
+        return run_elastic(Launch.from_args(args), Elastic.from_args(args),
+                           verbose=args.verbose)
+    for flag in ("reset_limit", "elastic_timeout"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --min-np (elastic training)")
     return run_launch(Launch.from_args(args), verbose=args.verbose)
 
 
@@ -204,6 +227,16 @@ def register(sub) -> None:
     p.add_argument("--no-srun", action="store_true",
                    help="use mpirun even inside a SLURM allocation")
     p.add_argument("-v", "--verbose", action="store_true", help="print the launcher command")
+    elastic = p.add_argument_group("elastic training (hvd.elastic.run; see the README)")
+    elastic.add_argument("--min-np", type=int,
+                         help="restart on what is left after a lost rank while at least this "
+                              "many processes can run")
+    elastic.add_argument("--max-np", type=int, help="at most this many processes (default -np)")
+    elastic.add_argument("--reset-limit", type=int,
+                         help="at most this many restarts (default: no limit)")
+    elastic.add_argument("--elastic-timeout", type=float,
+                         help="seconds the ranks may take to end after one asked for a "
+                              "restart (default 600)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     p.set_defaults(func=run)
 

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ..backends import compose
@@ -159,10 +159,11 @@ class Runtime:
         end it with ``--kill-on-bad-exit``."""
         error = HorovodInternalError(f"{SHUT_DOWN} {text}")
         error.culprit = culprit
+        error.peer_lost = lost
         self.engine.peer_failed(error)
         if first:
             self.first_culprit = culprit
-        if lost and self.topology.rank == 0:
+        if lost and self.topology.rank == 0 and on_peer_lost is None:  # else: a restart
             self.print_summary(self.first_culprit)
         if lost:
             timer = threading.Timer(LOST_GRACE_S, self._exit_after_loss, args=(text,))
@@ -170,6 +171,8 @@ class Runtime:
             timer.start()
 
     def _exit_after_loss(self, text: str) -> None:
+        if on_peer_lost is not None:
+            on_peer_lost(text)
         print(f"[hpc_horovod] rank {self.topology.rank}: exiting, {text[0].lower()}{text[1:]}",
               file=sys.stderr)
         _exit_now(1)
@@ -252,6 +255,9 @@ def _install_hooks() -> None:
 
 #: how long a rank whose peer was lost lets its script end by itself before it exits
 LOST_GRACE_S = 3.0
+#: set by ``hvd.elastic.run`` while it runs under an elastic launcher: how this process ends
+#: when a peer was lost and the script did not end by itself (a restart, not a failure)
+on_peer_lost: Callable[[str], None] | None = None
 
 
 def _end_job(kind, value) -> None:

@@ -16,17 +16,28 @@ class HorovodInternalError(RuntimeError):
     #: every rank reached this error in the same cycle (a stall past the limit, a peer's
     #: shutdown): nobody needs to be told; otherwise it started here or on one peer
     agreed: bool = False
+    #: a peer ended without a word (killed, out of memory, its node failed): elastic training
+    #: restarts on the ranks that are left
+    peer_lost: bool = False
 
     def copy(self) -> HorovodInternalError:
         """The same error, to raise again (a traceback per raise)."""
         error = HorovodInternalError(str(self))
         error.culprit = self.culprit
         error.agreed = self.agreed
+        error.peer_lost = self.peer_lost
         return error
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Kept for API compatibility with Horovod's elastic mode, which is not supported."""
+    """The job's hosts changed: raised by ``state.check_host_updates()`` (and ``commit()``) on
+    every rank at the same point. ``hvd.elastic.run`` ends the process for a restart on the new
+    hosts. ``skip_sync``: hosts were only removed (Horovod's meaning: the state needs no sync)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the job's hosts were updated" + (" (some removed)" if skip_sync
+                                                             else ""))
+        self.skip_sync = skip_sync
 
 
 class TopologyError(RuntimeError):

@@ -238,7 +238,7 @@ class PeerWatch:
         departed: set[socket.socket] = set()  # said bye
         lost: list[int] = []
         lost_since = None
-        while buffers:
+        while buffers or lost_since is not None:  # the last peer lost: still announce it
             timeout = None if lost_since is None else max(
                 0.0, lost_since + GATHER_LOST_S - time.monotonic())
             for key, _ in selector.select(timeout):

@@ -2,4 +2,4 @@
 TensorFlow backend), under the name Horovod's ``horovod.keras`` scripts import."""
 
 from ..tensorflow.keras import *  # noqa: F403 - the alias re-exports that API
-from ..tensorflow.keras import __all__, callbacks  # noqa: F401
+from ..tensorflow.keras import __all__, callbacks, elastic  # noqa: F401

@@ -114,6 +114,7 @@ def _sbatch(args) -> int:
         template=args.template,
         sbatch=extra,
         live=live.query(),
+        min_nodes=args.min_nodes,
     )
     if note:
         print(f"hpc-horovod sbatch: {note}", file=sys.stderr)
@@ -145,6 +146,9 @@ def register(sub) -> None:
         epilog=SBATCH_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cluster", default="generic", help="cluster profile (default: generic)")
     p.add_argument("-N", "--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--min-nodes", type=int, metavar="K",
+                   help="elastic training (hvd.elastic.run): survive lost nodes, restarting on "
+                        "the nodes left while at least K remain")
     p.add_argument("-n", "--ntasks", type=int,
                    help="tasks in all, spread evenly over the nodes")
     p.add_argument("--ntasks-per-node", "--tasks-per-node", dest="ntasks_per_node", type=int,

@@ -8,6 +8,7 @@ billed to the wrong node type. Each error lists the valid choices.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,11 @@ class JobPlan:
     open_mode: str | None = None
     #: sbatch options written as given: ``(("--mem", "64G"), ("--exclusive", None))``
     extra: tuple[tuple[str, str | None], ...] = ()
+    #: elastic training (``--min-nodes``): the job survives a lost node (``--no-kill``) and
+    #: ``hpc-horovod run --min-np`` restarts the ranks on the nodes left, while at least this
+    #: many remain; ``python`` runs that launcher
+    min_nodes: int | None = None
+    python: str = ""
 
     @property
     def total_tasks(self) -> int:
@@ -216,6 +222,7 @@ def plan_job(
     profile_env: Mapping[str, str] | None = None,
     sbatch: Mapping[str, object] | None = None,
     live: live_cluster.LiveCluster | None = None,
+    min_nodes: int | None = None,
 ) -> JobPlan:
     """Check a job request against its cluster profile and resolve every default.
 
@@ -237,6 +244,8 @@ def plan_job(
     if not command:
         raise ValueError("no command to run: hpc-horovod sbatch ... -- python train.py ARGS")
     validate.positive(nodes, "--nodes")
+    if min_nodes is not None and not 1 <= min_nodes <= nodes:
+        raise ValueError(f"--min-nodes {min_nodes}: between 1 and --nodes {nodes}")
     node, partition, constraint = profile.select(partition, constraint)
     gpus, tasks = _layout(node, _gpus_per_node(nodes, gpus, gpus_per_node),
                           _tasks_per_node(nodes, ntasks, ntasks_per_node), profile)
@@ -300,4 +309,6 @@ def plan_job(
         label=bool(label),
         open_mode=open_mode or ("append" if requeue else None),
         extra=sbatch_options.passthrough(sbatch or {}),
+        min_nodes=min_nodes,
+        python=sys.executable if min_nodes is not None else "",
     )

@@ -389,9 +389,14 @@ def _submit(fn: Callable, calls: Sequence[Sequence], kwargs: Mapping[str, Any] |
             modules: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
             template: str | os.PathLike | None = None, workdir: str | os.PathLike = ".",
             executable: str | None = None, profile_env: Mapping[str, str] | None = None,
-            **sbatch_options) -> list[Job]:
+            min_nodes: int | None = None, **sbatch_options) -> list[Job]:
     """What :func:`submit` and :func:`submit_array` do: one job, or an array of
     ``len(calls)`` elements, written, checked and submitted; a :class:`Job` per element."""
+    if min_nodes is not None:
+        raise ValueError("min_nodes: elastic training restarts the ranks on fewer nodes, and a "
+                         "submitted function returns one result per rank of the job it asked "
+                         "for; write a script with hvd.elastic.run and submit it with "
+                         "hpc-horovod sbatch --min-nodes")
     if output is not None and _OTHER_PATTERNS.search(validate.output_pattern(output)):
         raise ValueError(f"output {output!r}: result() reads one file, so only %j, %x, %u and "
                          "%% may be used")

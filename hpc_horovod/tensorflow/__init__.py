@@ -58,10 +58,10 @@ from ..common.basics import (
     start_timeline,
     stop_timeline,
 )
-from ..common.errors import HorovodInternalError
+from ..common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from ..common.gpu_layout import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
-from . import util  # noqa: F401 - horovod.tensorflow.util (hvd.util._executing_eagerly)
+from . import elastic, util  # noqa: F401 - horovod.tensorflow.util (hvd.util._executing_eagerly)
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_variables, weighted_average
 from .legacy import (
@@ -151,7 +151,8 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveError", "Compression",
-    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError",
+    "HostsUpdatedInterrupt", "Max", "Min", "elastic",
     "PartialDistributedGradientTape", "PartialDistributedOptimizer", "ProcessSet", "Product",
     "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
     "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",

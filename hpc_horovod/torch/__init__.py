@@ -38,6 +38,7 @@ from ..common.basics import (
 from ..common.errors import HorovodInternalError, HostsUpdatedInterrupt
 from ..common.gpu_layout import GpuLayoutError
 from ..common.types import Adasum, Average, Max, Min, Product, Sum
+from . import elastic
 from .compression import Compression
 from .functions import (
     allgather_object,

@@ -60,8 +60,8 @@ def test_hosts_reach_the_launcher():
 
 @pytest.mark.parametrize("argv, why", [
     (["--gloo"], "no Gloo controller"),
-    (["--min-np", "2"], "elastic training is not supported"),
-    (["--host-discovery-script", "d.sh"], "elastic training"),
+    (["--host-discovery-script", "d.sh"], "there is no discovery script"),
+    (["--blacklist-cooldown-range", "5"], "left out for the rest of the job"),
     (["--autotune"], "no autotuner"),
     (["-p", "2222"], "ssh options are not used"),
     (["--network-interface", "ib0"], "btl_tcp_if_include"),

@@ -55,7 +55,7 @@ from .. import (  # noqa: F401 - re-exported API
     size,
     weighted_average,
 )
-from . import callbacks
+from . import callbacks, elastic
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 
 
@@ -93,7 +93,8 @@ __all__ = [
     "Min", "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum",
     "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
     "allreduce", "broadcast", "broadcast_global_variables", "broadcast_object",
-    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "global_process_set", "init",
+    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "elastic",
+    "global_process_set", "init",
     "is_homogeneous", "is_initialized", "load_model", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter",
     "remove_process_set", "shutdown", "size", "weighted_average",

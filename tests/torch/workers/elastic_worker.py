@@ -1,0 +1,103 @@
+"""Elastic training under ``hpc-horovod run --min-np``: one rank (``--kill-rank``) SIGKILLs
+itself in the middle of an epoch of the first attempt.
+
+Every rank appends what its committed batches processed to ``LOG_DIR/committed-<host>-<pid>``
+(``epoch index`` lines) once ``state.commit()`` returned, and its final parameters' checksum to
+``LOG_DIR/final-<rank>``. The killed rank writes the time of its death to ``LOG_DIR/killed``;
+after the restart, rank 0 prints how long it took to train again.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+import hpc_horovod.torch as hvd
+
+parser = argparse.ArgumentParser()
+parser.add_argument("log_dir")
+parser.add_argument("--samples", type=int, default=48)
+parser.add_argument("--batch-size", type=int, default=4)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--kill-rank", type=int, default=2)
+parser.add_argument("--kill-size", type=int, default=3, help="only in a job of this size")
+parser.add_argument("--kill-host", default="", help="kill every rank of this host instead")
+parser.add_argument("--kill-epoch", type=int, default=1)
+parser.add_argument("--kill-batch", type=int, default=1)
+args = parser.parse_args()
+
+hvd.init()
+torch.set_num_threads(1)
+torch.manual_seed(0)
+data = torch.randn(args.samples, 8)
+target = data.sum(dim=1, keepdim=True)
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.5)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(list(range(args.samples)), shuffle=True, seed=1)
+log = open(os.path.join(args.log_dir, f"committed-{socket.gethostname()}-{os.getpid()}"), "a")
+
+
+def on_reset():
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01 * hvd.size()
+    print(f"reset callback: rank {hvd.rank()} of {hvd.size()}, epoch {state.epoch}, "
+          f"processed {sampler.processed_num}", flush=True)
+
+
+def die_here(epoch: int, batch: int) -> bool:
+    if (hvd.size(), epoch, batch) != (args.kill_size, args.kill_epoch, args.kill_batch):
+        return False
+    if args.kill_host:
+        return socket.gethostname() == args.kill_host
+    return hvd.rank() == args.kill_rank
+
+
+@hvd.elastic.run
+def train(state):
+    first = True
+    while state.epoch < args.epochs:
+        pending = []
+        for batch, index in enumerate(_batches(state.sampler)):
+            if first and hvd.rank() == 0 and os.path.exists(os.path.join(args.log_dir, "killed")):
+                with open(os.path.join(args.log_dir, "killed")) as fh:
+                    killed = float(fh.read())
+                print(f"training again {time.time() - killed:.2f} s after the kill, at "
+                      f"{hvd.size()} ranks", flush=True)
+            first = False
+            if die_here(state.epoch, batch):
+                with open(os.path.join(args.log_dir, "killed"), "w") as fh:
+                    fh.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(data[index]), target[index])
+            loss.backward()
+            optimizer.step()
+            pending += [f"{state.epoch} {i}\n" for i in index.tolist()]
+            state.sampler.record_batch(batch, args.batch_size)
+            state.commit()
+            log.write("".join(pending))
+            log.flush()
+            pending = []
+        state.epoch += 1
+        state.sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+def _batches(sampler):
+    indices = torch.tensor(list(sampler))
+    return indices.split(args.batch_size)
+
+
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+state.register_reset_callbacks([on_reset])
+train(state)
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+with open(os.path.join(args.log_dir, f"final-{hvd.rank()}"), "w") as fh:
+    fh.write(" ".join(repr(v) for v in flat.tolist()))
+print(f"rank {hvd.rank()} of {hvd.size()} done", flush=True)
+sys.stdout.flush()

@@ -66,10 +66,10 @@ _LINE = ALIGN // 8  # int64s per control line
 _retained: list = []
 SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
 #: Allreduces of fewer bytes go to MPI's own ``Allreduce`` over the whole set: below this size
-#: the stages' fixed cost (two arrivals per chunk, each rank's Python passes, peers waiting on
+#: the stages' fixed cost (two arrivals at least, each rank's Python passes, peers waiting on
 #: the slowest) outweighs the copies they save. Measured with ``benchmarks/allreduce.py``
 #: (see benchmarks/RESULTS.md); an algorithm chosen by size, as NCCL chooses its own.
-MPI_BELOW_BYTES = 2 << 20
+MPI_BELOW_BYTES = 256 << 10
 #: The stages go in chunks of at most this many bytes: a chunk staged, reduced and copied back
 #: stays in the caches between these passes, and the next chunk's copy in overlaps the peers'
 #: work on this one. Smaller chunks pay more arrivals. Measured with ``benchmarks/allreduce.py``.

@@ -2,10 +2,11 @@
 
 The ranks of one node share memory through MPI itself (``Comm.Split_type(COMM_TYPE_SHARED)``
 and ``Win.Allocate_shared``). An allreduce of :data:`MPI_BELOW_BYTES` or more goes in chunks of
-at most half a window (a smaller one is MPI's own ``Allreduce``, faster there); for each:
+at most :data:`CHUNK_BYTES` (a smaller one is MPI's own ``Allreduce``, faster there); for each:
 
 1. every rank publishes where its data lies in its segment of the window (a bucket laid out
-   in the window already, or a staging area it copies the chunk into), then arrives;
+   in the window already, or one of two staging halves it copies the chunk into, in turn),
+   then arrives;
 2. **reduce-scatter inside the node by direct loads**: rank ``i`` of ``k`` reduces slice ``i``
    from every rank's data with the native one-pass kernel (``_native.reduce_slices``:
    pre-scale, the op, post-scale). With one node it writes the result straight into every
@@ -16,7 +17,10 @@ at most half a window (a smaller one is MPI's own ``Allreduce``, faster there); 
    slices cannot pair up across nodes: every rank writes its reduced slice into the data of
    the node's leader (local rank 0), the leaders **allreduce the node's whole sum** across
    nodes with MPI, and every rank copies the result out of the leader's data, post-scaled;
-3. every rank arrives again; a rank that staged copies the other slices out into its buffer.
+3. a rank that staged copies the other slices out into its buffer after the next arrival
+   (the next chunk's, or a last one): one arrival per chunk, the copies of one chunk
+   overlapping the reduction of the next on the other ranks. Nodes of different sizes go in
+   chunks of a whole staging area, with two arrivals each and the leader's in between.
 
 A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
 sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
@@ -62,10 +66,14 @@ _LINE = ALIGN // 8  # int64s per control line
 _retained: list = []
 SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
 #: Allreduces of fewer bytes go to MPI's own ``Allreduce`` over the whole set: below this size
-#: the stages' fixed cost (two arrivals per chunk, each rank's Python passes, peers waiting on
+#: the stages' fixed cost (two arrivals at least, each rank's Python passes, peers waiting on
 #: the slowest) outweighs the copies they save. Measured with ``benchmarks/allreduce.py``
 #: (see benchmarks/RESULTS.md); an algorithm chosen by size, as NCCL chooses its own.
-MPI_BELOW_BYTES = 2 << 20
+MPI_BELOW_BYTES = 256 << 10
+#: The stages go in chunks of at most this many bytes: a chunk staged, reduced and copied back
+#: stays in the caches between these passes, and the next chunk's copy in overlaps the peers'
+#: work on this one. Smaller chunks pay more arrivals. Measured with ``benchmarks/allreduce.py``.
+CHUNK_BYTES = 1 << 20
 
 
 def _address(a: np.ndarray) -> int:
@@ -185,7 +193,8 @@ class NodeWindow:
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.ctrl[self.rank * _LINE:(self.rank + 1) * _LINE] = 0
         self.counters = self.ctrl[:self.size * _LINE:_LINE]  # every rank's arrivals
-        self.offsets = self.ctrl[1:self.size * _LINE:_LINE]  # where their data lies
+        #: where every rank's data lies, one slot per parity of chunk (see ``published``)
+        self._published = [self.ctrl[1 + slot:self.size * _LINE:_LINE] for slot in (0, 1)]
         self.seq = 0
         #: the engine's alarm (``.error`` set when a peer failed), from the last negotiation
         self.alarm = None
@@ -216,12 +225,13 @@ class NodeWindow:
         return None
 
     # -- arrivals --------------------------------------------------------------------------------
-    def arrive(self, offset: int, what: str) -> None:
-        """Publish ``offset`` and wait for every rank of the node to arrive here too; raise
-        HorovodInternalError naming the ranks that did not within the peer timeout."""
+    def arrive(self, offset: int, what: str, slot: int = 0) -> None:
+        """Publish ``offset`` (in ``published(slot)``) and wait for every rank of the node to
+        arrive here too; raise HorovodInternalError naming the ranks that did not within the
+        peer timeout."""
         seq = self.seq = self.seq + 1
         line = self.rank * _LINE
-        self.ctrl[line + 1] = offset
+        self.ctrl[line + 1 + slot] = offset
         self.win.Sync()
         self.ctrl[line] = seq
         self.win.Sync()
@@ -229,6 +239,12 @@ class NodeWindow:
         if counters.min() < seq:
             self._wait(seq, what)
         self.win.Sync()
+
+    def published(self, slot: int = 0) -> np.ndarray:
+        """Every rank's offset last published in ``slot``. Chunks alternate between two slots:
+        a rank that runs one arrival ahead overwrites the other slot, never the one its peers
+        may still read."""
+        return self._published[slot]
 
     def _wait(self, seq: int, what: str) -> None:
         counters = self.counters
@@ -294,11 +310,11 @@ class NodeWindow:
                         self.global_ranks[self.rank], exc)
             self.retire()
             return
-        if self.offsets.max() > 0:  # some rank still views memory of it
+        if self.published().max() > 0:  # some rank still views memory of it
             self.retire()
             return
         self.win.Unlock_all()
-        self.segments = self.ctrl = self.counters = self.offsets = self._arena = None
+        self.segments = self.ctrl = self.counters = self._published = self._arena = None
         self.win.Free()
         self.win = None
 
@@ -363,53 +379,98 @@ class HierarchicalBackend(MpiBackend):
             MpiBackend.allreduce(self, buf, op, send, prescale, postscale)
             return
         src = out if send is None else send.reshape(-1)
-        win = self.window
-        base = win.offset_of(out) if send is None else None
-        item = out.dtype.itemsize
+        base = self.window.offset_of(out) if send is None else None
+        if self.cross_size > 1 and not self.by_slice:
+            self._uneven_nodes(src, out, op, prescale, postscale, base)
+        else:
+            self._in_chunks(src, out, op, prescale, postscale, base)
+
+    def _in_chunks(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
+                   base: int | None) -> None:
+        """One node, or nodes of equal sizes: chunks of at most :data:`CHUNK_BYTES`, one
+        arrival each plus a last one, pipelined. Chunk ``c`` (data in the window at ``base``,
+        or staged in the half ``c % 2`` of the staging area) is published in slot ``c % 2``;
+        after its arrival a rank copies the previous chunk's results out of its staging half
+        (its peers pushed them before they arrived), then reduces its slice of chunk ``c`` and
+        pushes the result into every rank's data. A staging half is written again two chunks
+        later, after an arrival that tells every peer is done with it."""
+        win, dtype = self.window, out.dtype
+        item = dtype.itemsize
+        half = win.staging_bytes // 2
+        chunk = max(1, min(CHUNK_BYTES, half) // item // ALIGN) * ALIGN
+        staged = base is None
+        unread = None  # (lo, hi, staging offset) of the chunk whose results are to copy out
+        for c, lo in enumerate(range(0, out.size, chunk)):
+            hi = min(lo + chunk, out.size)
+            slot = c % 2
+            if staged:
+                offset = slot * half
+                self._stage(src[lo:hi], offset, hi - lo, 1)
+            else:
+                offset = base + lo * item
+            win.arrive(offset, "allreduce: data ready", slot)
+            if unread is not None:
+                self._stage(out[unread[0]:unread[1]], unread[2], unread[1] - unread[0], -1)
+            self._reduce_slice(src[lo:hi], out[lo:hi], op, pre, post, win.published(slot))
+            unread = (lo, hi, offset) if staged else None
+        win.arrive(0, "allreduce: results written", (c + 1) % 2)
+        if unread is not None:
+            self._stage(out[unread[0]:unread[1]], unread[2], unread[1] - unread[0], -1)
+
+    def _stage(self, data: np.ndarray, offset: int, n: int, direction: int) -> None:
+        """Copy the slices of ``data`` (``n`` elements) that the other ranks reduce into this
+        rank's staging area at byte ``offset`` (``direction`` 1), or back out of it (-1)."""
+        win, k, me, item = self.window, self.local_size, self.local_rank, data.dtype.itemsize
+        stage = win.data(me, offset, 0, n, data.dtype)
+        for q in range(k):
+            if q != me:
+                a, b = slice_bounds(n, item, k, q)
+                if direction > 0:
+                    stage[a:b] = data[a:b]
+                else:
+                    data[a:b] = stage[a:b]
+
+    def _reduce_slice(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
+                      offsets: np.ndarray) -> None:
+        """This rank's slice of a chunk, from every rank's data (at ``offsets``), into its own
+        ``out`` and every peer's data; across nodes, the slice is allreduced with the ranks of
+        the same local rank in between."""
+        win, k, me, dtype = self.window, self.local_size, self.local_rank, out.dtype
+        lo, hi = slice_bounds(out.size, dtype.itemsize, k, me)
+        if lo >= hi:
+            return
+        inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
+                  for q in range(k)]
+        peers = [win.data(q, int(offsets[q]), lo, hi, dtype) for q in range(k) if q != me]
+        mine = out[lo:hi]
+        if self.cross_size == 1:
+            _native.reduce_slices(inputs, [mine] + peers, op, pre, post)
+        else:
+            _native.reduce_slices(inputs, [mine], op, pre, 1.0)
+            self._mpi_allreduce(self.cross, mine, op)
+            _native.reduce_slices([mine], [mine] + peers, op, 1.0, post)
+
+    def _uneven_nodes(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
+                      base: int | None) -> None:
+        """Nodes of different sizes: chunks of at most the staging area, each through the
+        node's leader (:meth:`_through_leader`)."""
+        win, me, dtype = self.window, self.local_rank, out.dtype
+        item, k = dtype.itemsize, self.local_size
         chunk = win.staging_bytes // item // ALIGN * ALIGN
         for lo in range(0, out.size, chunk):
             hi = min(lo + chunk, out.size)
-            self._chunk(src[lo:hi], out[lo:hi], op, prescale, postscale,
-                        None if base is None else base + lo * item)
-
-    def _chunk(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
-               offset: int | None) -> None:
-        win, k, me = self.window, self.local_size, self.local_rank
-        n, dtype = out.size, out.dtype
-        lo, hi = slice_bounds(n, dtype.itemsize, k, me)
-        staged = offset is None
-        if staged:  # the slices the others reduce, where they can read them
-            offset = 0
-            stage = win.data(me, 0, 0, n, dtype)
-            for q in range(k):
-                if q != me:
-                    a, b = slice_bounds(n, dtype.itemsize, k, q)
-                    stage[a:b] = src[a:b]
-        win.arrive(offset, "allreduce: data ready")
-        offsets = win.offsets
-        if self.cross_size > 1 and not self.by_slice:
-            in_total = self._through_leader(src, out, op, pre, post, lo, hi)
+            n = hi - lo
+            if base is None:
+                offset = 0
+                self._stage(src[lo:hi], 0, n, 1)
+            else:
+                offset = base + lo * item
+            win.arrive(offset, "allreduce: data ready")
+            a, b = slice_bounds(n, item, k, me)
+            in_total = self._through_leader(src[lo:hi], out[lo:hi], op, pre, post, a, b)
             win.arrive(offset, "allreduce: results read")
             if in_total and post != 1.0:  # nobody reads the leader's data any more
-                _native.reduce_slices([out], [out], op, 1.0, post)
-            return
-        if lo < hi:
-            inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
-                      for q in range(k)]
-            peers = [win.data(q, int(offsets[q]), lo, hi, dtype) for q in range(k) if q != me]
-            mine = out[lo:hi]
-            if self.cross_size == 1:
-                _native.reduce_slices(inputs, [mine] + peers, op, pre, post)
-            else:
-                _native.reduce_slices(inputs, [mine], op, pre, 1.0)
-                self._mpi_allreduce(self.cross, mine, op)
-                _native.reduce_slices([mine], [mine] + peers, op, 1.0, post)
-        win.arrive(offset, "allreduce: results written")
-        if staged:
-            for q in range(k):
-                if q != me:
-                    a, b = slice_bounds(n, dtype.itemsize, k, q)
-                    out[a:b] = stage[a:b]
+                _native.reduce_slices([out[lo:hi]], [out[lo:hi]], op, 1.0, post)
 
     def _through_leader(self, src: np.ndarray, out: np.ndarray, op: int, pre: float,
                         post: float, lo: int, hi: int) -> bool:
@@ -423,7 +484,7 @@ class HierarchicalBackend(MpiBackend):
         window): the caller post-scales it after that arrival, not before (the other ranks
         would read it scaled twice)."""
         win, me, dtype, n = self.window, self.local_rank, out.dtype, out.size
-        offsets = win.offsets
+        offsets = win.published()
         total = win.data(0, int(offsets[0]), 0, n, dtype)
         if lo < hi:
             inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)

@@ -165,6 +165,36 @@ def test_bucket_memory_in_place(flat, hier):
     assert hier.bucket_memory(1 << 40) is None
 
 
+def test_chunks_in_and_out_of_the_window_in_turn(flat, monkeypatch):
+    """Several chunks, with the data in the window on some ranks and staged on the others, and
+    calls back to back (odd and even numbers of chunks): the two staging halves and the two
+    slots of published offsets never mix up a peer's data."""
+    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
+    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
+    try:
+        chunk = 4096 // 8
+        memory = small.bucket_memory(4 * chunk * 8)
+        assert memory is not None
+        for seed, count in enumerate((3 * chunk - 5, 4 * chunk, 1, chunk + 1, 2 * chunk + 3)):
+            for in_window in (RANK == 0, RANK % 2 == 1, True, False):
+                x = _values(np.int64, count, seed)
+                ref = x.copy()
+                flat.allreduce(ref, Sum)
+                buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
+                buf[...] = x
+                small.allreduce(buf, Sum)
+                assert buf.tobytes() == ref.tobytes(), (count, in_window)
+                y = _values(np.int32, count, seed).astype(np.float64)  # exact sums and scales
+                a = np.empty_like(y)
+                flat.allreduce(a, Sum, send=y, prescale=0.5, postscale=0.25)
+                b = memory.view(np.float64)[:count] if in_window else np.empty_like(y)
+                b[...] = y
+                small.allreduce(b, Sum, prescale=0.5, postscale=0.25)
+                assert b.tobytes() == a.tobytes(), (count, in_window)
+    finally:
+        small.close()
+
+
 #: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal
 LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 2, 1)],
            5: [(3, 2), (2, 3), (2, 2, 1)]}

@@ -30,9 +30,9 @@ FOLDER, LABEL = sys.argv[1], sys.argv[2]
 HIERARCHICAL = os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
 DTYPES = [np.int32, np.int64, np.float32, np.float64]
 #: bytes per rank: below the threshold, and above it over several chunks of the window (whose
-#: halves test_real_hosts.py makes 8 MiB); odd counts
+#: halves test_real_hosts.py makes 8 MiB: the chunks of nodes of different sizes); odd counts
 SIZES = {"below": hierarchical.MPI_BELOW_BYTES // 2 - 12,
-         "above": 10 * hierarchical.MPI_BELOW_BYTES + 24}
+         "above": max(10 * hierarchical.MPI_BELOW_BYTES, 20 << 20) + 24}
 
 hvd.init()
 torch.set_num_threads(1)

@@ -287,3 +287,36 @@ def test_many_unnamed_ops_in_flight(single):
     handles = [single.allreduce_async(np.full(3, i, np.float32), op=hvd.Sum) for i in range(50)]
     for i, h in enumerate(handles):
         np.testing.assert_array_equal(single.synchronize(h), np.full(3, i, np.float32))
+
+
+# -- the requests ops.py builds -------------------------------------------------------------------
+def test_automatic_names_count_per_kind(single):
+    first = ops.allreduce_request(np.ones(2))
+    second = ops.allreduce_request(np.ones(2))
+    gathered = ops.allgather_request(np.ones(2))
+    assert (first.name, second.name) == ("allreduce.noname.0", "allreduce.noname.1")
+    assert gathered.name == "allgather.noname.0"
+    assert ops.allreduce_request(np.ones(2), name="w").name == "w"
+
+
+def test_grouped_names_number_the_members(single):
+    assert ops.group_names("grads", 3, 0, "allreduce") == ["grads.0", "grads.1", "grads.2"]
+    assert ops.group_names(None, 2, 0, "allreduce") == ["grouped_allreduce.noname.0.0",
+                                                        "grouped_allreduce.noname.0.1"]
+
+
+def test_a_scalar_allgather_request_is_a_vector(single):
+    req = ops.allgather_request(np.array(5.0))
+    assert req.tensor.shape == (1,) and req.signature.shape == (-1,)
+
+
+def test_a_non_contiguous_input_is_made_contiguous(single):
+    strided = np.arange(12.0).reshape(3, 4).T
+    np.testing.assert_array_equal(single.allreduce(strided, op=single.Sum), strided)
+    np.testing.assert_array_equal(single.allgather(strided), strided)
+
+
+def test_a_process_set_never_registered_is_named(single):
+    ps = hvd.ProcessSet([0])  # neither passed to init nor added
+    with pytest.raises(ValueError, match=r"is not registered \(was it removed\?\)"):
+        single.allreduce(np.ones(2), process_set=ps)

@@ -190,49 +190,40 @@ def test_gradients():
     # reducescatter Sum: gradient = allgather(dy) * size.
     assert_close(grads(lambda t: hvd.reducescatter(t, op=hvd.Sum)),
                  R * 2 * np.array([1.0, 2.0, 1.0]))
-    try:
+    with pytest.raises(ValueError, match="has no gradient"):
         grads(lambda t: hvd.allreduce(t, op=hvd.Max))
-    except ValueError as exc:
-        assert "has no gradient" in str(exc)
-    else:
-        raise AssertionError("Max allreduce must not be differentiable")
 
 
-def test_errors():
-    try:
+def test_strings_are_refused():
+    with pytest.raises(ValueError, match="dtype string"):
         hvd.allreduce(tf.constant(["a"]))
-    except ValueError as exc:
-        assert "dtype string" in str(exc), exc
-    else:
-        raise AssertionError("strings must be refused")
-    try:
+
+
+def test_xla_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="jit_compile=False"):
         tf.function(hvd.allreduce, jit_compile=True)(tf.ones(2))
-    except ValueError as exc:
-        assert "jit_compile=False" in str(exc), exc
-    else:
-        raise AssertionError("XLA must be refused with a clear error")
+
+
+def test_mismatched_shapes_fail_eagerly():
     shape = [2] if RANK == 0 else [3]
-    try:
+    with pytest.raises(hpc_horovod.HorovodInternalError) as caught:
         hvd.allreduce(tf.ones(shape), name="mismatch")
-    except hpc_horovod.HorovodInternalError as exc:
-        assert "mismatched allreduce tensor shapes" in str(exc).lower(), exc
-    else:
-        raise AssertionError("mismatched shapes must fail")
-    try:
+    assert "mismatched allreduce tensor shapes" in str(caught.value).lower(), caught.value
+
+
+def test_mismatched_shapes_fail_in_graph_mode():
+    shape = [2] if RANK == 0 else [3]
+    with pytest.raises(tf.errors.OpError) as caught:
         tf.function(lambda: hvd.allreduce(tf.ones(shape), name="mismatch.graph"))()
-    except tf.errors.OpError as exc:
-        assert "mismatched allreduce tensor shapes" in str(exc).lower(), exc
-    else:
-        raise AssertionError("mismatched shapes must fail in graph mode")
+    assert "mismatched allreduce tensor shapes" in str(caught.value).lower(), caught.value
+
+
+def test_broadcast_global_variables_is_for_graph_mode():
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
 
 
 def test_functions():
-    try:
-        hvd.broadcast_global_variables(0)
-    except RuntimeError as exc:
-        assert "broadcast_variables" in str(exc)
-    else:
-        raise AssertionError("broadcast_global_variables is for graph mode")
     v = tf.Variable(tf.fill([3], R))
     hvd.broadcast_variables([v], root_rank=1)
     assert_close(v, [2.0, 2.0, 2.0])

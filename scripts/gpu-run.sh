@@ -122,8 +122,8 @@ print(multi_rank_note($nccl, $gpus))"
         fi
     fi
     log "pytest tests/gpu"
-    "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/unit/test_gpu_path.py \
-        tests/unit/test_gpu_check.py tests/unit/test_gpu_failures.py 2>&1 \
+    "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/common/test_gpu_path.py \
+        tests/test_gpu_check.py tests/common/test_gpu_failures.py 2>&1 \
         | save pytest-gpu.txt || status=1
     log "summary"
     grep -h -E "FAIL|passed|failed|SOME DEVICE OPS FAILED|all device ops passed" \

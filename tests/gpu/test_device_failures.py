@@ -3,7 +3,7 @@ averages scaled by a factor rounded to the half type, and a peer that dies while
 are in flight on the device. Three ranks: one per GPU where there are three, else sharing the
 GPU(s) with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1; skipped otherwise (NCCL refuses).
 The CPU side of both (the scaling dtype, the abort through a stand-in communicator) is checked
-in tests/unit/test_gpu_failures.py."""
+in tests/common/test_gpu_failures.py."""
 
 from __future__ import annotations
 

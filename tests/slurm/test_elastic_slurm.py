@@ -18,7 +18,7 @@ from hpc_horovod.slurm.render import render_job
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "torch" / "workers" / "elastic_worker.py"
+WORKER = ROOT / "tests" / "torch" / "elastic_worker.py"
 
 
 def test_a_lost_host_is_left_out_and_the_training_goes_on(slurm, tmp_path):

@@ -23,6 +23,7 @@ import pytest
 pytestmark = pytest.mark.slurm
 
 WORKERS = Path(__file__).resolve().parent / "workers"
+LONG_RUN = Path(__file__).resolve().parents[1] / "torch" / "long_run.py"
 SRUN_2X2 = ["srun", "-N", "2", "--ntasks-per-node=2", "--mpi=pmix", "--label"]
 #: seconds from the loss of a host to the end of the job, at most
 LOST_HOST_LIMIT_S = 10.0
@@ -212,7 +213,7 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(slurm):
 
 def test_long_run_across_two_hosts(slurm):
     """A long run at the size of a test: 300 steps of 4 ranks on 2 hosts (long_run.py)."""
-    proc = slurm.run([*SRUN_2X2, sys.executable, str(WORKERS / "long_run.py"), "300"],
+    proc = slurm.run([*SRUN_2X2, sys.executable, str(LONG_RUN), "300"],
                      timeout=400, env={"HOROVOD_BUCKET_BYTES": "2048"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

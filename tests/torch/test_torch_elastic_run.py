@@ -16,7 +16,7 @@ from support import ROOT, mpi_env
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.mpi
-WORKER = ROOT / "tests" / "torch" / "workers" / "elastic_worker.py"
+WORKER = ROOT / "tests" / "torch" / "elastic_worker.py"
 #: the kill at the first batch of a one-epoch training
 FAST_KILL = ("--epochs", "1", "--kill-epoch", "0", "--kill-batch", "0")
 

@@ -1,8 +1,9 @@
 """A long run on every rank: ``argv[1]`` DistributedOptimizer steps in small gradient buckets
 (the test sets ``HOROVOD_BUCKET_BYTES``), each rank on its own data; every 50 steps an allgather
 of uneven rows, a broadcast from a rank that changes each time, and an allreduce on a process set
-of half the ranks (ranks 1 and 2: one per host) while the others go on; then uneven ends: rank r
-runs 3 r steps more, and joins.
+of half the ranks (the odd ones: on two hosts with the ranks in blocks, some on each) while the
+others go on; then uneven ends: rank r runs 3 r steps more, and joins. Runs on any even number of
+ranks, under ``mpirun`` or ``srun``.
 
 Checked on every rank: every collective's result; after each step, every rank that ran it holds
 the same parameters (after the first ranks joined, the others still agree: the joined ranks
@@ -20,8 +21,9 @@ import torch
 import hpc_horovod.torch as hvd
 from hpc_horovod.common.topology import detect
 
-assert detect().size == 4, "run on 4 ranks"
-HALF = hvd.ProcessSet([1, 2])
+WORLD = detect().size
+assert WORLD >= 2 and WORLD % 2 == 0, f"run on an even number of ranks, not {WORLD}"
+HALF = hvd.ProcessSet(list(range(1, WORLD, 2)))
 hvd.init(process_sets=[HALF])
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -37,14 +39,14 @@ def digest(model: torch.nn.Module) -> str:
 
 def every_50_steps(step: int) -> None:
     rows = hvd.allgather(torch.full((RANK + 1, 2), float(step)), name="long.gather")
-    assert rows.shape == (10, 2) and (rows == step).all(), (step, rows)
+    assert rows.shape == (SIZE * (SIZE + 1) // 2, 2) and (rows == step).all(), (step, rows)
     root = step // EVERY % SIZE
     got = hvd.broadcast(torch.full((3,), RANK * 1000 + step), root_rank=root, name="long.bcast")
     assert got.tolist() == [root * 1000 + step] * 3, (step, root, got)
     if HALF.included():
         total = hvd.allreduce(torch.full((5,), float(RANK)), op=hvd.Sum, process_set=HALF,
                               name="long.half")
-        assert total.tolist() == [3.0] * 5, (step, total)
+        assert total.tolist() == [float(sum(HALF.ranks))] * 5, (step, total)
 
 
 torch.manual_seed(7)

@@ -16,7 +16,7 @@ from hpc_horovod.shipped import FOLDERS, shipped_dir
 from hpc_horovod.slurm.profiles import load_profiles
 from hpc_horovod.slurm.render import packaged_templates
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_checkout_reads_the_top_level_folders():

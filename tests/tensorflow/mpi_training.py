@@ -1,25 +1,25 @@
 """Data-parallel training on 2 ranks equals single-process large-batch training: the gradient
 tape (dense and sparse gradients), the Keras 3 DistributedOptimizer in model.fit (with the
 callbacks, and with backward_passes_per_step), then the callbacks' own contracts, checkpoints
-written by rank 0 only, load_model, and the errors.
-
-Argument: a directory for the checkpoints.
+written by rank 0 only, load_model, and the errors. Run by every rank of
+``mpirun -np 2 python -m pytest`` (test_tensorflow_parallel.py).
 """
 
 from __future__ import annotations
 
-import sys
+import shutil
+import tempfile
 from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from tf_setup import RANK, SIZE, assert_close, hvd
 
 import hpc_horovod.tensorflow.keras as hvd_keras
 from hpc_horovod.keras import callbacks as alias_callbacks
 
-OUT = Path(sys.argv[1])
 GLOBAL_BATCH, SAMPLES = 16, 64
 LOCAL_BATCH = GLOBAL_BATCH // SIZE
 rng = np.random.RandomState(0)  # the same data on every rank
@@ -30,6 +30,11 @@ Y = rng.randint(0, 3, size=(SAMPLES,)).astype("int32")
 MINE = np.concatenate([np.arange(i, i + GLOBAL_BATCH)[RANK * LOCAL_BATCH:(RANK + 1) * LOCAL_BATCH]
                        for i in range(0, SAMPLES, GLOBAL_BATCH)])
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init()  # a new engine after a check that stopped it
 
 
 def make_model(seed: int) -> keras.Model:
@@ -85,7 +90,7 @@ def train_with_tape(kwargs: dict, graph_ops: int):
     assert concats, (kwargs, [op.name for op in graph.get_operations()])
 
 
-def check_tape_equals_large_batch():
+def test_tape_equals_large_batch():
     if RANK == 0:  # Keras numbers layers per process: rank 0's layer names now differ
         make_model(7)
     train_with_tape({}, 2)  # the embedding's gradient is sparse: gathered, not reduced
@@ -94,7 +99,7 @@ def check_tape_equals_large_batch():
     train_with_tape({"gradient_predivide_factor": 2.0}, 2)
 
 
-def check_partial_tape():
+def test_partial_tape():
     model = make_model(0)
     local = model.layers[-1]
     x, y = X[MINE][:LOCAL_BATCH], Y[MINE][:LOCAL_BATCH]
@@ -132,7 +137,7 @@ class Recorder(keras.callbacks.Callback):
         return momentums[-1].numpy().copy() if momentums else None
 
 
-def check_fit_equals_large_batch():
+def test_fit_equals_large_batch():
     """Different initial weights per rank; the broadcast callback makes them rank 0's."""
     reference, model = make_model(0), make_model(RANK)  # rank 0 holds the reference weights
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS, metrics=["accuracy"])
@@ -158,7 +163,7 @@ def check_fit_equals_large_batch():
     assert all_raw[0][0]["val_loss"] != all_raw[1][0]["val_loss"], "shards must differ"
 
 
-def check_backward_passes():
+def test_backward_passes():
     """Two passes summed locally, one allreduce: SGD(lr) on the sum equals SGD(2 lr) on the
     mean over the 32 samples of two global batches (Horovod's default, no averaging)."""
     reference, model = make_model(0), make_model(0)
@@ -172,7 +177,7 @@ def check_backward_passes():
     assert int(optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
 
 
-def check_loss_scale_optimizer():
+def test_loss_scale_optimizer():
     """Wrapping the loss-scale optimizer: every rank checks the same averaged gradients."""
     model = make_model(RANK)
     inner = keras.optimizers.SGD(0.1)
@@ -185,7 +190,7 @@ def check_loss_scale_optimizer():
     assert_equal_across_ranks(model)
 
 
-def check_learning_rate_callbacks():
+def test_learning_rate_callbacks():
     model = make_model(0)
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.2,
                                                                                 momentum=0.9)),
@@ -216,31 +221,42 @@ def check_learning_rate_callbacks():
     assert_close(recorder.lr_begin, [0.4] * steps + [0.2] * steps + [0.1] * steps, rtol=1e-6)
 
 
-def check_checkpoint_and_load_model():
+@pytest.fixture
+def shared_dir():
+    """A directory of rank 0's, the same on every rank (they share the machine)."""
+    made = tempfile.mkdtemp(prefix="hvd-checkpoints-") if RANK == 0 else None
+    path = Path(hvd.broadcast_object(made, root_rank=0))
+    yield path
+    hvd.barrier()
+    if RANK == 0:
+        shutil.rmtree(path)
+
+
+def test_checkpoint_and_load_model(shared_dir):
     model = make_model(RANK)
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1,
                                                                                 momentum=0.9)),
                   loss=LOSS, metrics=["accuracy"])
-    best = hvd_keras.callbacks.BestModelCheckpoint(str(OUT / f"rank{RANK}" / "best.keras"))
+    best = hvd_keras.callbacks.BestModelCheckpoint(str(shared_dir / f"rank{RANK}" / "best.keras"))
     model.fit(X[MINE], Y[MINE], batch_size=LOCAL_BATCH, epochs=2, verbose=0,
               validation_data=(X[:16], Y[:16]),
               callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvd_keras.callbacks.MetricAverageCallback(), best])
     hvd.barrier()
-    assert (OUT / "rank0" / "best.keras").is_file()
-    assert not (OUT / "rank1").exists(), "only rank 0 writes checkpoints"
+    assert (shared_dir / "rank0" / "best.keras").is_file()
+    assert not (shared_dir / "rank1").exists(), "only rank 0 writes checkpoints"
 
-    loaded = hvd_keras.load_model(str(OUT / "rank0" / "best.keras"))
+    loaded = hvd_keras.load_model(str(shared_dir / "rank0" / "best.keras"))
     assert isinstance(loaded.optimizer, keras.optimizers.SGD)
     assert hasattr(loaded.optimizer, "_hvd_reducer"), "load_model must re-wrap the optimizer"
     assert int(loaded.optimizer.iterations.numpy()) > 0, "the optimizer state must survive"
-    plain = keras.saving.load_model(str(OUT / "rank0" / "best.keras"))
+    plain = keras.saving.load_model(str(shared_dir / "rank0" / "best.keras"))
     assert type(plain.optimizer) is keras.optimizers.SGD, "checkpoints load without hvd"
     loaded.fit(X[MINE], Y[MINE], batch_size=LOCAL_BATCH, epochs=1, verbose=0)
     assert_equal_across_ranks(loaded)
 
 
-def check_dispatch_and_errors():
+def test_dispatch_and_errors():
     legacy = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
     assert isinstance(legacy, tf.compat.v1.train.Optimizer)
     assert type(legacy).__name__ == "_DistributedOptimizer"
@@ -269,11 +285,3 @@ def check_dispatch_and_errors():
         assert "jit_compile=False" in str(exc), exc
     else:
         raise AssertionError("an XLA-compiled train step must be refused with a clear error")
-
-
-for check in (check_tape_equals_large_batch, check_partial_tape, check_fit_equals_large_batch,
-              check_backward_passes, check_loss_scale_optimizer, check_learning_rate_callbacks,
-              check_checkpoint_and_load_model, check_dispatch_and_errors):
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-print(f"rank {RANK}: ALL OK")

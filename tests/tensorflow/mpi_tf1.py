@@ -4,6 +4,7 @@ by Session.run, broadcast_global_variables and its hook, the wrapped tf.compat.v
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tensorflow.compat.v1 as tf
 from tf_setup import RANK, assert_close, hvd
 
@@ -11,7 +12,12 @@ tf.disable_eager_execution()
 R = float(RANK + 1)
 
 
-def check_ops_in_session():
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init()  # a new engine after a check that stopped it
+
+
+def test_ops_in_session():
     x = tf.placeholder(tf.float32, [None])
     reduced = hvd.allreduce(x, op=hvd.Sum)
     gathered = hvd.allgather(x)
@@ -29,7 +35,7 @@ def check_ops_in_session():
             assert out[4:] == [2, RANK]
 
 
-def check_broadcast_global_variables_and_optimizer():
+def test_broadcast_global_variables_and_optimizer():
     with tf.Graph().as_default():
         v = tf.get_variable("v", initializer=tf.constant([R, 10.0 * R]))
         step = tf.train.get_or_create_global_step()
@@ -48,17 +54,10 @@ def check_broadcast_global_variables_and_optimizer():
             assert sess.run(step) == 1
 
 
-def check_hook_in_monitored_session():
+def test_hook_in_monitored_session():
     with tf.Graph().as_default():
         v = tf.get_variable("w", initializer=tf.constant([R, R]))
         tf.train.get_or_create_global_step()
         hooks = [hvd.BroadcastGlobalVariablesHook(0)]
         with tf.train.MonitoredTrainingSession(hooks=hooks) as sess:
             assert_close(sess.run(v), [1.0, 1.0])
-
-
-for check in (check_ops_in_session, check_broadcast_global_variables_and_optimizer,
-              check_hook_in_monitored_session):
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-print(f"rank {RANK}: ALL OK")

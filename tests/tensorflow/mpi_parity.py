@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from tf_setup import RANK, SIZE, assert_close, hvd, in_both_modes
 
@@ -16,6 +17,11 @@ import hpc_horovod.tensorflow.keras as hvd_keras
 
 R = float(RANK + 1)  # this rank's scale: 1 on rank 0, 2 on rank 1
 SUM = 3.0
+
+
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init()  # a new engine after a check that stopped it
 
 
 def independent_collectives(count: int, feed=None) -> tuple[list, list]:
@@ -33,7 +39,7 @@ def independent_collectives(count: int, feed=None) -> tuple[list, list]:
     return ops, expected
 
 
-def check_tf1_session_runs_20_independent_collectives():
+def test_tf1_session_runs_20_independent_collectives():
     """Four inter-op threads per session let each rank start the collectives in its own order:
     without an order common to the ranks they wait for each other forever."""
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=4)
@@ -55,7 +61,7 @@ def check_tf1_session_runs_20_independent_collectives():
                     assert_close(value, want)
 
 
-def check_tf1_order_never_runs_what_needs_other_feeds():
+def test_tf1_order_never_runs_what_needs_other_feeds():
     """A collective built after another that needs a placeholder does not wait for it: the
     variables' broadcast built after a training step runs without the step's feed."""
     with tf.Graph().as_default():
@@ -72,7 +78,7 @@ def check_tf1_order_never_runs_what_needs_other_feeds():
             assert_close(sess.run([step, later], {x: [1.0, 1.0]}), [[4.0, 4.0], [4.0, 4.0]])
 
 
-def check_tf_function_runs_20_independent_collectives():
+def test_tf_function_runs_20_independent_collectives():
     @tf.function
     def many():
         return independent_collectives(20)[0]
@@ -84,7 +90,7 @@ def check_tf_function_runs_20_independent_collectives():
             assert_close(value, want)
 
 
-def check_broadcast_gradient_in_a_tf1_graph():
+def test_broadcast_gradient_in_a_tf1_graph():
     """The non-root ranks run the gradient's allreduce too (they used to drop it)."""
     with tf.Graph().as_default():
         x = tf.constant([1.0, 2.0, 3.0]) * R
@@ -105,7 +111,7 @@ def expect(error, fn, text: str = ""):
     raise AssertionError(f"{fn} must raise {error.__name__}")
 
 
-def check_error_types():
+def test_error_types():
     shape = [2] if RANK == 0 else [3]
     exc = expect(tf.errors.FailedPreconditionError,
                  lambda: hvd.allreduce(tf.ones(shape), name="parity.shape"), "mismatched")
@@ -136,7 +142,7 @@ def check_error_types():
     hvd.barrier()
 
 
-def check_uint16():
+def test_uint16():
     def moved():
         mine = tf.constant([65000 + RANK, 7], tf.uint16)[:RANK + 1]
         return {"allgather": hvd.allgather(mine),
@@ -153,7 +159,7 @@ def check_uint16():
     expect(ValueError, lambda: hvd.allreduce(tf.constant([1], tf.uint16)), "uint16")
 
 
-def check_grouped_reducescatter_and_gradient():
+def test_grouped_reducescatter_and_gradient():
     rows = lambda: [tf.reshape(tf.range(6, dtype=tf.float32), [3, 2]) * R,  # noqa: E731
                     tf.fill([4], R)]
     out = in_both_modes(lambda: hvd.grouped_reducescatter(rows(), op=hvd.Sum))
@@ -176,7 +182,7 @@ def check_grouped_reducescatter_and_gradient():
     assert_close(in_both_modes(grad), R * 2 * np.array([1.0, 2.0, 1.0, 2.0]) + 2 * 2)
 
 
-def check_float16_reducescatter_scaling_rounds_as_horovod():
+def test_float16_reducescatter_scaling_rounds_as_horovod():
     """float16 scaled in float32 and rounded once per step: Horovod's exact values."""
     rng = np.random.RandomState(5)
     tensor = tf.constant(rng.uniform(-100, 100, [8, 3]), tf.float16)  # the same on both ranks
@@ -196,7 +202,7 @@ def check_float16_reducescatter_scaling_rounds_as_horovod():
         np.testing.assert_array_equal(post, twice.numpy()[mine])
 
 
-def check_broadcast_in_place():
+def test_broadcast_in_place():
     v = tf.Variable(tf.fill([3], R))
     w = tf.Variable([RANK], dtype=tf.int64)
     values = hvd.broadcast_([v, w], root_rank=1)
@@ -217,7 +223,7 @@ def check_broadcast_in_place():
     expect(ValueError, lambda: hvd.broadcast_([tf.ones(2)], 0), "variables")
 
 
-def check_integer_indexed_slices_average_to_floats():
+def test_integer_indexed_slices_average_to_floats():
     slices = tf.IndexedSlices(tf.constant([[3, 4]], tf.int32) * (RANK + 1), tf.constant([RANK]),
                               tf.constant([2, 2]))
     out = hvd.allreduce(slices)
@@ -227,7 +233,7 @@ def check_integer_indexed_slices_average_to_floats():
     assert summed.values.dtype == tf.int32
 
 
-def check_keras_api_returns_tensors():
+def test_keras_api_returns_tensors():
     val_loss = keras.metrics.Mean()
     val_loss.update_state(R)
     averaged = hvd_keras.allreduce(val_loss.result())
@@ -247,7 +253,7 @@ def dense_model(seed: int, init=None) -> keras.Model:
                              keras.layers.Dense(2, **kw)])
 
 
-def check_partial_distributed_optimizer():
+def test_partial_distributed_optimizer():
     """Local layers take this rank's own gradient divided by the set size; the others the
     average, for the Keras optimizer built both ways."""
     x = np.random.RandomState(RANK).rand(4, 3).astype("float32")
@@ -270,7 +276,7 @@ def check_partial_distributed_optimizer():
         assert not np.allclose(*hvd.allgather_object(local.kernel.numpy()))
 
 
-def check_broadcast_callback_keeps_local_variables():
+def test_broadcast_callback_keeps_local_variables():
     model = dense_model(0, keras.initializers.Constant(float(RANK)))
     for layer in model.layers:
         layer.trainable = False
@@ -287,7 +293,7 @@ def check_broadcast_callback_keeps_local_variables():
         0, local_variables=[np.ones(2)]), "variables")
 
 
-def check_sync_batch_normalization():
+def test_sync_batch_normalization():
     """Batches of 2 and 4 samples: outputs, moving statistics and input gradients are those of
     plain batch normalization over the 6 samples together."""
     rng = np.random.RandomState(0)
@@ -325,17 +331,3 @@ def check_sync_batch_normalization():
               callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
     means = hvd.allgather_object(model.layers[0].moving_mean.numpy())
     np.testing.assert_allclose(means[0], means[1], rtol=1e-6)
-
-
-for check in (check_tf1_session_runs_20_independent_collectives,
-              check_tf1_order_never_runs_what_needs_other_feeds,
-              check_tf_function_runs_20_independent_collectives,
-              check_broadcast_gradient_in_a_tf1_graph, check_error_types, check_uint16,
-              check_grouped_reducescatter_and_gradient,
-              check_float16_reducescatter_scaling_rounds_as_horovod, check_broadcast_in_place,
-              check_integer_indexed_slices_average_to_floats, check_keras_api_returns_tensors,
-              check_partial_distributed_optimizer,
-              check_broadcast_callback_keeps_local_variables, check_sync_batch_normalization):
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-print(f"rank {RANK}: ALL OK")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from tf_setup import RANK, assert_close, hvd, in_both_modes
 
@@ -15,12 +16,17 @@ R = float(RANK + 1)  # this rank's scale: 1 on rank 0, 2 on rank 1
 SUM, MEAN = 3.0, 1.5  # R summed and averaged over the two ranks
 
 
+@pytest.fixture(autouse=True)
+def _job():
+    hvd.init()  # a new engine after a check that stopped it
+
+
 def pyfunc_ops(fn, *specs) -> list[str]:
     graph = tf.function(fn).get_concrete_function(*specs).graph
     return [op for op in graph.get_operations() if op.type == "PyFunc"]
 
 
-def check_allreduce():
+def test_allreduce():
     base = tf.constant([[1.0, -2.0, 3.0]])
     variable = tf.Variable(base * R)
     out = in_both_modes(lambda: {
@@ -66,7 +72,7 @@ def check_allreduce():
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
 
 
-def check_grouped_allreduce():
+def test_grouped_allreduce():
     tensors = lambda: [tf.fill([2, 2], R), tf.constant([R], tf.float64),  # noqa: E731
                        tf.constant([RANK + 1], tf.int64), tf.zeros([0]), tf.fill([5], R)]
     out = in_both_modes(lambda: hvd.grouped_allreduce(tensors(), op=hvd.Sum))
@@ -76,7 +82,7 @@ def check_grouped_allreduce():
     assert len(ops) == 1, f"a grouped allreduce must be one graph op, got {len(ops)}"
 
 
-def check_allgather():
+def test_allgather():
     mine = lambda: tf.fill([RANK + 1, 3], R)  # noqa: E731
     out = in_both_modes(lambda: {
         "one": hvd.allgather(mine()),
@@ -95,14 +101,14 @@ def check_allgather():
     assert_close(static_shape(), out["one"])
 
 
-def check_broadcast():
+def test_broadcast():
     out = in_both_modes(lambda: {"from1": hvd.broadcast(tf.fill([2, 3], R), root_rank=1),
                                  "from0": hvd.broadcast(tf.constant([RANK], tf.int32), 0)})
     assert_close(out["from1"], np.full([2, 3], 2.0))
     assert out["from0"].tolist() == [0]
 
 
-def check_alltoall():
+def test_alltoall():
     data = lambda: tf.range(4) + 10 * RANK  # noqa: E731
     out = in_both_modes(lambda: {
         "equal": hvd.alltoall(data()),
@@ -115,7 +121,7 @@ def check_alltoall():
     assert (received.tolist(), received_splits.tolist()) == expected
 
 
-def check_reducescatter():
+def test_reducescatter():
     rows = lambda: tf.reshape(tf.range(6, dtype=tf.float32), [3, 2]) * R  # noqa: E731
     out = in_both_modes(lambda: {"sum": hvd.reducescatter(rows(), op=hvd.Sum),
                                  "avg": hvd.reducescatter(rows())})
@@ -132,7 +138,7 @@ def check_reducescatter():
     static_shape()
 
 
-def check_sparse():
+def test_sparse():
     def reduce():
         slices = tf.IndexedSlices(tf.fill([1, 2], R), tf.constant([RANK * 2]),
                                   dense_shape=tf.constant([4, 2]))
@@ -141,7 +147,7 @@ def check_sparse():
     assert_close(out, [[0.5, 0.5], [0, 0], [1.0, 1.0], [0, 0]])
 
 
-def check_queries_barrier_join():
+def test_queries_barrier_join():
     out = in_both_modes(lambda: [hvd.size_op(), hvd.rank_op(), hvd.local_rank_op(),
                                  hvd.local_size_op(), hvd.process_set_included_op(),
                                  hvd.cross_size_op()])
@@ -156,7 +162,7 @@ def check_queries_barrier_join():
     assert int(tf.function(hvd.join)()) in (0, 1)
 
 
-def check_gradients():
+def test_gradients():
     x = tf.Variable([1.0, 2.0, 3.0])
 
     def grads(fn):
@@ -184,49 +190,40 @@ def check_gradients():
     # reducescatter Sum: gradient = allgather(dy) * size.
     assert_close(grads(lambda t: hvd.reducescatter(t, op=hvd.Sum)),
                  R * 2 * np.array([1.0, 2.0, 1.0]))
-    try:
+    with pytest.raises(ValueError, match="has no gradient"):
         grads(lambda t: hvd.allreduce(t, op=hvd.Max))
-    except ValueError as exc:
-        assert "has no gradient" in str(exc)
-    else:
-        raise AssertionError("Max allreduce must not be differentiable")
 
 
-def check_errors():
-    try:
+def test_strings_are_refused():
+    with pytest.raises(ValueError, match="dtype string"):
         hvd.allreduce(tf.constant(["a"]))
-    except ValueError as exc:
-        assert "dtype string" in str(exc), exc
-    else:
-        raise AssertionError("strings must be refused")
-    try:
+
+
+def test_xla_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="jit_compile=False"):
         tf.function(hvd.allreduce, jit_compile=True)(tf.ones(2))
-    except ValueError as exc:
-        assert "jit_compile=False" in str(exc), exc
-    else:
-        raise AssertionError("XLA must be refused with a clear error")
+
+
+def test_mismatched_shapes_fail_eagerly():
     shape = [2] if RANK == 0 else [3]
-    try:
+    with pytest.raises(hpc_horovod.HorovodInternalError) as caught:
         hvd.allreduce(tf.ones(shape), name="mismatch")
-    except hpc_horovod.HorovodInternalError as exc:
-        assert "mismatched allreduce tensor shapes" in str(exc).lower(), exc
-    else:
-        raise AssertionError("mismatched shapes must fail")
-    try:
+    assert "mismatched allreduce tensor shapes" in str(caught.value).lower(), caught.value
+
+
+def test_mismatched_shapes_fail_in_graph_mode():
+    shape = [2] if RANK == 0 else [3]
+    with pytest.raises(tf.errors.OpError) as caught:
         tf.function(lambda: hvd.allreduce(tf.ones(shape), name="mismatch.graph"))()
-    except tf.errors.OpError as exc:
-        assert "mismatched allreduce tensor shapes" in str(exc).lower(), exc
-    else:
-        raise AssertionError("mismatched shapes must fail in graph mode")
+    assert "mismatched allreduce tensor shapes" in str(caught.value).lower(), caught.value
 
 
-def check_functions():
-    try:
+def test_broadcast_global_variables_is_for_graph_mode():
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
         hvd.broadcast_global_variables(0)
-    except RuntimeError as exc:
-        assert "broadcast_variables" in str(exc)
-    else:
-        raise AssertionError("broadcast_global_variables is for graph mode")
+
+
+def test_functions():
     v = tf.Variable(tf.fill([3], R))
     hvd.broadcast_variables([v], root_rank=1)
     assert_close(v, [2.0, 2.0, 2.0])
@@ -243,7 +240,7 @@ def check_functions():
     assert_close(out["v"], [(3 + 14) / 10] * 2)
 
 
-def check_process_set():
+def test_process_set():
     only1 = hvd.ProcessSet([1])
     hvd.add_process_set(only1)
     assert int(hvd.process_set_included_op(only1.process_set_id)) == RANK
@@ -254,19 +251,10 @@ def check_process_set():
     hvd.barrier()
 
 
-def check_auto_names_interleave():
+def test_auto_names_interleave():
     """Two functions whose collectives get the same automatic names run one after the other."""
     f = tf.function(lambda x: hvd.allreduce(x, op=hvd.Sum))
     g = tf.function(lambda x: hvd.allreduce(x * 2, op=hvd.Sum))
     for _ in range(3):
         assert_close(f(tf.ones(2)), [2.0, 2.0])
         assert_close(g(tf.ones(2)), [4.0, 4.0])
-
-
-for check in (check_allreduce, check_grouped_allreduce, check_allgather, check_broadcast,
-              check_alltoall, check_reducescatter, check_sparse, check_queries_barrier_join,
-              check_gradients, check_errors, check_functions, check_process_set,
-              check_auto_names_interleave):
-    check()
-    print(f"rank {RANK}: {check.__name__} ok", flush=True)
-print(f"rank {RANK}: ALL OK")

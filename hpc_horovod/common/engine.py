@@ -488,14 +488,15 @@ class Engine:
         except HorovodInternalError as exc:
             self._error = exc
             self._stop()
-        except Exception as exc:  # an MPI error or a bug: never leave callers hanging
+        except BaseException as exc:
+            # An MPI error, a bug, or, in a caller blocked in wait(), whatever interrupted it
+            # (KeyboardInterrupt, a signal handler's exception): the engine stops with an
+            # error that says so, the peers learn it, and a caller sees its own exception.
             self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
+            self._stop()
+            if threading.current_thread() is not self._thread:
+                raise
             log.exception("hpc_horovod engine failed")
-            self._stop()
-        except BaseException as exc:  # a waiter's KeyboardInterrupt: it is the waiter's to see
-            self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            self._stop()
-            raise
 
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;

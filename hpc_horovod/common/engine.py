@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from ..backends.waiting import abandoned
+from ..backends.waiting import abandoned, take_deferred
 from .collectives import (
     adasum_one,
     allgather_group,
@@ -380,6 +380,9 @@ class Engine:
                         self._guarded_cycle()
                 finally:
                     lock.release()
+                    interrupt = take_deferred()
+                if interrupt is not None:  # held while peers were awaited: the cycle is over
+                    raise interrupt
             elif self._stopped:  # every request is being completed with the engine's error
                 with self._done:
                     if not req.done:

@@ -61,7 +61,8 @@ class RequestWaiter:
                 abandoned.append(req)
                 raise
             except BaseException as exc:
-                if _deferred:  # the second interrupt: give up
+                if _deferred:  # the second interrupt: give up, raising it
+                    _deferred.clear()
                     abandoned.append(req)
                     raise
                 _deferred.append(exc)

@@ -5,13 +5,6 @@ A blocking collective spins a core at 100% while a peer computes (on a node with
 rank that steals the core the peer's own training needs) and never gives up on a peer that died.
 Polling with a back-off costs microseconds and turns a dead peer into an error. While a thread
 of the rank waits for a result, waits yield the core rather than sleep (``common.patience``).
-
-An interrupt (KeyboardInterrupt, a signal handler's exception: both reach only the main thread,
-which runs the engine's cycles while it waits for a result) that arrives while peers are
-awaited is held until the request completes: the cycle under way then ends in step with the
-peers, which are in the same collective, and the engine raises the interrupt once the cycle is
-over (:func:`take_deferred`). A second interrupt, the peer timeout or the alarm ends the wait at
-once.
 """
 
 from __future__ import annotations
@@ -29,13 +22,6 @@ from ..common.errors import HorovodInternalError
 #: buffer, and the backend that holds both is kept here after a failure.
 abandoned: list = []
 
-_deferred: list[BaseException] = []  # the interrupt held until the cycle under way ends
-
-
-def take_deferred() -> BaseException | None:
-    """The interrupt a wait held (see the module's docstring), once; None when there was none."""
-    return _deferred.pop() if _deferred else None
-
 
 class RequestWaiter:
     """Waits for the requests of one communicator of ``size`` ranks."""
@@ -52,22 +38,16 @@ class RequestWaiter:
         KeyboardInterrupt or a signal handler's exception) gives the request up for good: it
         is kept alive here, since MPI may still complete it (its buffers are the caller's to
         keep)."""
-        start = time.perf_counter()
-        while True:
-            try:
-                self._wait(req, start, timeout_s, what, alarm)
-                return
-            except HorovodInternalError:
-                abandoned.append(req)
-                raise
-            except BaseException as exc:
-                if _deferred:  # the second interrupt: give up, raising it
-                    _deferred.clear()
-                    abandoned.append(req)
-                    raise
-                _deferred.append(exc)
+        if req.Test():
+            return
+        try:
+            self._wait(req, timeout_s, what, alarm)
+        except BaseException:
+            abandoned.append(req)
+            raise
 
-    def _wait(self, req, start: float, timeout_s: float, what: str, alarm) -> None:
+    def _wait(self, req, timeout_s: float, what: str, alarm) -> None:
+        start = time.perf_counter()
         spin_until = start + 50e-6
         yield_until = start + patience.yield_s()
         while not req.Test():

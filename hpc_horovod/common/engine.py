@@ -31,11 +31,12 @@ import logging
 import threading
 import time
 
-from ..backends.waiting import abandoned, take_deferred
+from ..backends.waiting import abandoned
 from .config import Settings
 from .coordinator import Coordinator, ProcessSetState
 from .errors import SHUT_DOWN, HorovodInternalError
 from .execution import Execution
+from .interrupts import HeldSignals
 from .patience import waiting_caller
 from .request import Request
 
@@ -284,12 +285,10 @@ class Engine:
             if not self.stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self.stopped:
-                        self._guarded_cycle()
+                        with HeldSignals():  # an interrupt waits for the cycle's end
+                            self._guarded_cycle()
                 finally:
                     lock.release()
-                    interrupt = take_deferred()
-                if interrupt is not None:  # held while peers were awaited: the cycle is over
-                    raise interrupt
             elif self.stopped:  # every request is being completed with the engine's error
                 with self._done:
                     if not req.done:

@@ -41,40 +41,6 @@ def test_a_completed_request_returns_at_once():
     assert buf[0] == 5
 
 
-class _InterruptedRequest:
-    """Completes after ``delay_s``; its first ``interrupts`` tests raise KeyboardInterrupt, as a
-    SIGINT that arrives while the rank waits for its peers does."""
-
-    def __init__(self, delay_s: float, interrupts: int):
-        self._at = time.perf_counter() + delay_s
-        self.interrupts = interrupts
-
-    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
-        if self.interrupts:
-            self.interrupts -= 1
-            raise KeyboardInterrupt("SIGINT")
-        return time.perf_counter() >= self._at
-
-
-def test_an_interrupt_is_held_until_the_peers_answered():
-    """The first interrupt does not leave the collective: the ranks stay in step, and the
-    engine raises the interrupt once its cycle is over (take_deferred)."""
-    req = _InterruptedRequest(0.01, interrupts=1)
-    waiting.RequestWaiter(2).wait(req, 1.0, "a late peer")
-    assert not any(kept is req for kept in waiting.abandoned)
-    held = waiting.take_deferred()
-    assert isinstance(held, KeyboardInterrupt) and waiting.take_deferred() is None
-
-
-def test_a_second_interrupt_gives_the_wait_up():
-    req = _InterruptedRequest(60.0, interrupts=2)
-    with pytest.raises(KeyboardInterrupt):
-        waiting.RequestWaiter(2).wait(req, 0, "a late peer")
-    assert waiting.take_deferred() is None
-    assert any(kept is req for kept in waiting.abandoned)
-    waiting.abandoned.remove(req)
-
-
 class _LateRequest:
     """Completes after ``delay_s`` of wall time, like a peer's answer."""
 

@@ -3,8 +3,8 @@
 ranks submit late, and its wait is cut short: by a signal handler that raises, by a
 KeyboardInterrupt (from a SIGINT handler), or as pytest-timeout does it (``pytest.fail`` from a
 SIGALRM handler). Rank 0 sees what interrupted it; the engine either kept working on every rank
-(an interrupt that comes while peers are awaited is held until the cycle under way ends:
-backends/waiting.py) or stopped on every rank with a message naming rank 0; ``shutdown()`` and
+(an interrupt that comes while this rank runs a cycle is held until the cycle ends:
+common/interrupts.py) or stopped on every rank with a message naming rank 0; ``shutdown()`` and
 ``init()`` work on every rank and a new allreduce gives the right result. Each kind three times
 in a row in one job; a crash (a segmentation fault) shows in the job's exit status, which the
 driver checks."""

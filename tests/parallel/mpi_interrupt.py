@@ -2,10 +2,11 @@
 ``mpirun -np N python -m pytest`` (test_reinit.py). Rank 0 waits for an allreduce that the other
 ranks submit late, and its wait is cut short: by a signal handler that raises, by a
 KeyboardInterrupt (from a SIGINT handler), or as pytest-timeout does it (``pytest.fail`` from a
-SIGALRM handler). Rank 0 sees what interrupted it; the engine either kept working on every rank
-(an interrupt that comes while this rank runs a cycle is held until the cycle ends:
-common/interrupts.py) or stopped on every rank with a message naming rank 0; ``shutdown()`` and
-``init()`` work on every rank and a new allreduce gives the right result. Each kind three times
+SIGALRM handler). Rank 0 sees what interrupted it, and its engine keeps working (an interrupt
+that comes while this rank runs a cycle is held until the cycle ends: common/interrupts.py):
+the others' late allreduce gives the right sum, or, when rank 0 shut down first, an error that
+names it; ``shutdown()`` and ``init()`` work on every rank and a new allreduce gives the right
+result. Each kind twice
 in a row in one job; a crash (a segmentation fault) shows in the job's exit status, which the
 driver checks."""
 
@@ -20,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import hpc_horovod as hvd
+from hpc_horovod.common import basics
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -67,7 +69,8 @@ def _interrupted_wait(kind: str, tag: str) -> str:
     try:
         hvd.allreduce(np.full(3, RANK + 1.0), op=hvd.Sum, name=f"late.{tag}")
     except BaseException as exc:  # noqa: BLE001 - what reaches the caller is the finding
-        return f"{type(exc).__name__}: {exc}"
+        running = "running" if not basics.engine().stopped else "stopped"
+        return f"{type(exc).__name__}: {exc} (engine {running})"
     else:
         return "not interrupted"
     finally:
@@ -110,31 +113,27 @@ def _interrupt_case(kind: str, attempt: int) -> None:
     got = hvd.allreduce(np.full(2, RANK + 1.0), op=hvd.Sum, name=f"after.{tag}")
     assert got.tolist() == [SIZE * (SIZE + 1) / 2] * 2, got
     outcomes = hvd.allgather_object(outcome)
-    # the interrupted caller sees what interrupted it
+    # the interrupted caller sees what interrupted it, and its engine still runs
     raised = KINDS[kind][3].__name__
     assert outcomes[0].startswith(f"{raised}: "), outcomes
-    others = outcomes[1:]
-    if all(o == "sum" for o in others):
-        return  # the engine kept working on every rank
-    # or it stopped on every rank, the others' errors naming rank 0: stopped by what
-    # interrupted its wait (inside a cycle), or by its shutdown (the interrupt came between
-    # cycles, and the engine worked on until rank 0 shut it down)
-    for o in others:
-        assert o.startswith("error: ") and (f"Rank 0 stopped first, with: {raised}" in o
-                                            or "Rank(s) 0 called shutdown" in o), outcomes
+    assert outcomes[0].endswith("(engine running)"), outcomes
+    # the others: the sum (their allreduce met rank 0's, still pending), or rank 0's shutdown
+    for o in outcomes[1:]:
+        assert o == "sum" or (o.startswith("error: ") and "Rank(s) 0 called shutdown" in o), (
+            outcomes)
 
 
-@pytest.mark.parametrize("attempt", [1, 2, 3])
+@pytest.mark.parametrize("attempt", [1, 2])
 def test_wait_interrupted_by_a_raising_signal_handler(attempt):
     _interrupt_case("raising-handler", attempt)
 
 
-@pytest.mark.parametrize("attempt", [1, 2, 3])
+@pytest.mark.parametrize("attempt", [1, 2])
 def test_wait_interrupted_by_keyboard_interrupt(attempt):
     _interrupt_case("keyboard-interrupt", attempt)
 
 
-@pytest.mark.parametrize("attempt", [1, 2, 3])
+@pytest.mark.parametrize("attempt", [1, 2])
 def test_wait_interrupted_like_pytest_timeout(attempt):
     _interrupt_case("pytest-timeout", attempt)
 

@@ -34,9 +34,8 @@ class HeldSignals:
     def __enter__(self) -> HeldSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
-        getsignal, hold = signal.getsignal, self._hold
-        for signum in _SIGNALS:
-            handler = getsignal(signum)
+        hold = self._hold
+        for signum, handler in zip(_SIGNALS, map(signal.getsignal, _SIGNALS)):
             if callable(handler):
                 self._saved[signum] = handler
                 signal.signal(signum, hold)

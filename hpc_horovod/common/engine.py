@@ -25,6 +25,7 @@ raises it).
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import itertools
 import logging
@@ -116,6 +117,9 @@ class Engine:
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
         # collectives and must run one at a time, in the same order on every rank.
         self._cycle_lock = threading.Lock()
+        #: a cycle a caller runs holds the signals (``interrupts``): alone, a rank has no peers
+        #: to leave inside a collective, and its cycles need not pay for it
+        self._hold_signals = HeldSignals if backend.size > 1 else contextlib.nullcontext
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
         self._handle_counter = _HANDLES
@@ -285,7 +289,7 @@ class Engine:
             if not self.stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
                     if not req.done and not self.stopped:
-                        with HeldSignals():  # an interrupt waits for the cycle's end
+                        with self._hold_signals():  # an interrupt waits for the cycle's end
                             self._guarded_cycle()
                 finally:
                     lock.release()

@@ -28,11 +28,11 @@ def leaves_engine_asleep(monkeypatch):
     basics.init()
     engine = basics.engine()
     deadline = time.monotonic() + 10
-    while not engine._sleeping:
+    while not engine.asleep:
         assert time.monotonic() < deadline, "the engine thread never fell asleep"
         time.sleep(0.001)
-    wakes, wake = [], engine._wake
-    engine._wake = lambda: (wakes.append(threading.get_ident()), wake())
+    wakes = []
+    engine.on_wake = lambda: wakes.append(threading.get_ident())
 
     def check(call, control) -> None:
         call()

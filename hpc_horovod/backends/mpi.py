@@ -67,11 +67,17 @@ class MpiBackend(Backend):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._waiter = RequestWaiter(self.size)
+        self._words: np.ndarray | None = None  # the buffer of the last negotiation
 
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         """In-place bitwise AND of ``words`` over the set; raise if peers never arrive, or
         as soon as ``alarm.error`` is set."""
+        # MPI writes into ``words`` until every rank posted this negotiation, and the request
+        # does not keep its buffer alive: a wait given up on (or interrupted between the post
+        # and the wait) leaves the buffer to the backend, which a failed engine keeps for the
+        # life of the process (``Engine.abandon_backends``).
+        self._words = words
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
         self._waiter.wait(req, timeout_s, "negotiation", alarm)
 

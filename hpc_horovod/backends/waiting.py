@@ -16,8 +16,10 @@ from ..common import patience
 from ..common.errors import HorovodInternalError
 
 #: Requests given up on, and the backends of engines that failed. A peer that comes late still
-#: completes such a request, and MPI then writes into its receive buffer (which mpi4py's
-#: request holds) through its communicator (which the backend holds): neither may be freed.
+#: completes such a request, and MPI then writes into its receive buffer through its
+#: communicator: neither may be freed. mpi4py's request keeps neither alive (freeing the
+#: request object frees the MPI request, and drops its buffer): whoever posts it keeps the
+#: buffer, and the backend that holds both is kept here after a failure.
 abandoned: list = []
 
 
@@ -33,8 +35,9 @@ class RequestWaiter:
         (a peer was lost or failed: see ``common.watch``).
 
         A wait that ends without the request (a timeout, the alarm, an interrupt such as
-        KeyboardInterrupt or a signal handler's exception) gives the request up for good:
-        MPI may still write into its buffers, which it keeps alive."""
+        KeyboardInterrupt or a signal handler's exception) gives the request up for good: it
+        is kept alive here, since MPI may still complete it (its buffers are the caller's to
+        keep)."""
         if req.Test():
             return
         try:

@@ -126,8 +126,7 @@ class Runtime:
             if bad:
                 raise ValueError(f"process set ranks {bad} are outside the job of size "
                                  f"{topo.size}")
-            ps_id = engine._next_set_id
-            engine.add_static_process_set(ps_id, ps.ranks, composed.backend.sub(ps.ranks))
+            ps_id = engine.add_static_process_set(ps.ranks, composed.backend.sub(ps.ranks))
             ps.process_set_id = ps_id
             self.process_sets[ps_id] = ps
         engine.start()

@@ -1,14 +1,12 @@
-"""The background thread that owns every collective after ``init``.
+"""The engine: the intake of requests, the background thread and the lifecycle, the public face
+over the :mod:`coordinator` (what the ranks agree on each cycle: the protocol is written there)
+and :mod:`execution` (how agreed tensors run).
 
 Callers enqueue :class:`Request` objects and get handles back at once. The engine thread wakes as
 soon as something is enqueued (and, since peers may need it, every ``HOROVOD_CYCLE_TIME`` ms
-while busy, backing off to ``IDLE_MAX_S`` while every rank is idle), and for each process set
-this rank belongs to, in id order, runs one cycle:
-
-1. negotiate (``negotiation``): which pending names are ready on every rank;
-2. execute the agreed ones: allreduces fused per (dtype, op, scales) (``fusion``), the other
-   collectives one by one (``collectives``), in an order identical on every rank;
-3. complete the handles and wake the callers.
+while busy, backing off to ``IDLE_MAX_S`` while every rank is idle), and runs a cycle: the queue
+is admitted, then the coordinator runs one round on each process set this rank belongs to, in
+id order, and the handles it completes wake their callers.
 
 Cycles are collectives, so they run one at a time (``_cycle_lock``), but not always on the
 engine thread: a caller blocked in :meth:`Engine.wait` runs them itself, which saves the two
@@ -16,54 +14,35 @@ thread switches of a hand-off, and the engine thread leaves them to it meanwhile
 still what moves asynchronous work that nobody waits for yet, and what keeps idle peers
 company; synchronous ops do not even wake it (:meth:`Engine.synchronous`).
 
-A shutdown, a stall past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a
-peer that stops answering ends the engine on every rank with a message that names who and why;
-every pending handle then raises it.
+Lifecycle (:class:`State`): RUNNING from creation (a caller may run cycles before the thread
+starts); STOPPING once ``shutdown()`` asked (the next cycle tells every rank); then STOPPED
+(every rank agreed to stop, or the peers shut down) or FAILED (an error: a shutdown, a stall past
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a peer that stops answering ends
+the engine on every rank with a message that names who and why; every pending handle then
+raises it).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
+import contextlib
+import enum
 import itertools
 import logging
-import sys
 import threading
 import time
 
-import numpy as np
-
 from ..backends.waiting import abandoned
-from .collectives import (
-    adasum_one,
-    allgather_group,
-    alltoall_one,
-    broadcast_one,
-    reducescatter_one,
-)
 from .config import Settings
+from .coordinator import Coordinator, ProcessSetState
 from .errors import SHUT_DOWN, HorovodInternalError
-from .fusion import FusedAllreduce, group_allreduces
-from .negotiation import (
-    FLAG_ABORT,
-    FLAG_JOINED,
-    FLAG_SHUTDOWN,
-    FLAG_STALL,
-    FLAG_UNCACHED,
-    ResponseCache,
-    iter_bits,
-    match,
-    pack_words,
-    stall_message,
-    unpack_words,
-)
+from .execution import Execution
+from .interrupts import HeldSignals
 from .patience import waiting_caller
 from .request import Request
-from .types import Adasum, Signature
 
 log = logging.getLogger("hpc_horovod")
-_FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
-#: the longest an idle engine waits between cycles (see Engine._run)
+#: the longest an idle engine waits between cycles (see Engine._loop)
 IDLE_MAX_S = 0.05
 #: how often a caller blocked in ``wait`` behind another thread's cycle looks whether that
 #: cycle completed its request
@@ -76,89 +55,11 @@ _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the
               "another tensor, use a different tensor name. [{}]")
 
 
-class Plan:
-    """How one set of agreed tensors executes, identically on every rank: their names and
-    signatures in execution order, and the steps, each a slice of them:
-    ``(activity, start, stop, FusedAllreduce or None)``. Allreduces come first, fused per
-    dtype/op/scales up to the fusion threshold, then allgathers (host, then device), then the
-    other collectives one by one. ``order[i]`` is the position, in the lists the plan was built
-    from, of its i-th tensor.
-
-    A training step submits the same gradients every time, so plans of ready sets that came
-    from the response cache are kept (:meth:`ProcessSetState.cached_plan`): the grouping and
-    the fusion layout are then computed once, not once per step.
-    """
-
-    __slots__ = ("names", "sigs", "steps", "order")
-
-    def __init__(self, names: list[str], sigs: list[Signature], threshold: int):
-        reductions, gathers, devices, others = [], [], [], []
-        for i, sig in enumerate(sigs):
-            if sig.kind == "allreduce" and sig.op != Adasum:
-                reductions.append(i)
-            elif sig.kind == "allgather":
-                (devices if sig.device else gathers).append(i)
-            else:
-                others.append(i)
-        groups = [("ALLREDUCE", g, True)
-                  for g in group_allreduces(sigs, reductions, threshold)]
-        groups += [("ALLGATHER", g, False) for g in (gathers, devices) if g]
-        groups += [(sigs[i].kind.upper(), [i], False) for i in others]
-        self.order, self.steps = [], []
-        for activity, indices, fuse in groups:
-            start = len(self.order)
-            self.order += indices
-            fused = FusedAllreduce([sigs[i] for i in indices]) if fuse else None
-            self.steps.append((activity, start, len(self.order), fused))
-        self.names = [names[i] for i in self.order]
-        self.sigs = [sigs[i] for i in self.order]
-
-
-def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool]:
-    """(the response cache's bits of the pending requests it holds with the same signature,
-    whether some request is not there)."""
-    bits, uncached = 0, False
-    for name, req in pending.items():
-        entry = entries.get(name)
-        if entry is not None and (entry[1] is req.signature or entry[1] == req.signature):
-            bits |= 1 << entry[0]
-        else:
-            uncached = True
-    return bits, uncached
-
-
-class ProcessSetState:
-    """Engine-side state of one process set this rank belongs to."""
-
-    MAX_PLANS = 64
-
-    def __init__(self, ps_id: int, ranks: list[int], backend, settings: Settings):
-        self.id = ps_id
-        self.ranks = ranks
-        self.backend = backend
-        self.cache = ResponseCache(settings.cache_capacity)
-        self.pending: dict[str, Request] = {}
-        self.join_request: Request | None = None
-        self.join_cycle = 0
-        #: joins completed on this set: automatic names restart after each (see join_epoch)
-        self.joins = 0
-        self.last_stall_report = time.monotonic()
-        self._plans: dict[int, Plan] = {}
-        self._plans_generation = -1
-
-    def cached_plan(self, ready_bits: int, threshold: int) -> Plan:
-        """The plan of the tensors whose cache bits are ``ready_bits``; valid while the cache's
-        bit assignments do not change."""
-        cache = self.cache
-        if self._plans_generation != cache.generation or len(self._plans) >= self.MAX_PLANS:
-            self._plans.clear()
-            self._plans_generation = cache.generation
-        plan = self._plans.get(ready_bits)
-        if plan is None:
-            names = [cache.name(bit) for bit in iter_bits(ready_bits)]
-            sigs = [cache.signature(name) for name in names]
-            plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
-        return plan
+class State(enum.Enum):
+    RUNNING = "running"
+    STOPPING = "stopping"  # shutdown() asked: the next cycle tells every rank
+    STOPPED = "stopped"  # the ranks stopped together (a shutdown): a new engine is needed
+    FAILED = "failed"  # stopped on an error (``Engine.error``)
 
 
 class _Alarm:
@@ -216,21 +117,27 @@ class Engine:
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
         # collectives and must run one at a time, in the same order on every rank.
         self._cycle_lock = threading.Lock()
+        #: a cycle a caller runs holds the signals (``interrupts``): alone, a rank has no peers
+        #: to leave inside a collective, and its cycles need not pay for it
+        self._hold_signals = HeldSignals if backend.size > 1 else contextlib.nullcontext
         self._inflight: dict[tuple[int, str], Request] = {}
         self._handles: dict[int, Request] = {}
         self._handle_counter = _HANDLES
-        self._shutting_down = False  # shutdown() was called: the next cycle says so
+        #: changed under ``_cond`` (shutdown() and the cycle that stops race otherwise)
+        self._state = State.RUNNING
         self._error: HorovodInternalError | None = None
-        #: the error a later op gets after peers shut down while this rank had nothing pending
-        #: (its script may be about to end too: that is no failure)
-        self._stopped_by_peers: HorovodInternalError | None = None
-        self._stopped = False
-        self._closed = False  # any of: shutdown asked, engine failed, engine stopped
-        self._worked = False  # the current cycle had something to do, here or on a peer
         self._alarm = _Alarm()
+        self._coordinator = Coordinator(
+            Execution(self._control, self._complete, self._forget_done), self._complete,
+            self._has_work, self._alarm)
         #: called once with the error when this engine stops on an error of its own (not one
         #: every rank reached together, not a peer's): the peers must learn it
         self.on_local_error = None
+        #: called each time a submission or a leaving caller wakes the engine thread (a test's
+        #: window on the hand-offs between threads)
+        self.on_wake = None
+        #: called at the start of every cycle, on the thread that runs it
+        self.on_cycle = None
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
@@ -239,12 +146,15 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def add_static_process_set(self, ps_id: int, ranks: list[int], backend) -> None:
-        """Register a set created collectively at init, before the thread starts."""
+    def add_static_process_set(self, ranks: list[int], backend) -> int:
+        """Register a set created collectively at init, before the thread starts; returns its
+        id."""
+        ps_id = self._next_set_id
+        self._next_set_id += 1
         self._members[ps_id] = list(ranks)
         if backend is not None:
             self._sets[ps_id] = ProcessSetState(ps_id, list(ranks), backend, self.settings)
-        self._next_set_id = max(self._next_set_id, ps_id + 1)
+        return ps_id
 
     def process_set_ranks(self, ps_id: int) -> list[int]:
         try:
@@ -264,7 +174,7 @@ class Engine:
     def enqueue(self, requests: list[Request]) -> list[int]:
         """Hand requests to the engine, all or none; returns their handles. Raises on duplicate
         names."""
-        if self._closed:
+        if self._state is not State.RUNNING:
             self._raise_if_stopped()
         for i, req in enumerate(requests):
             try:
@@ -280,7 +190,7 @@ class Engine:
         No lock here: the GIL makes ``dict.setdefault``, ``deque.append`` and ``next(count)``
         atomic, and the engine thread is woken only when it sleeps.
         """
-        if self._closed:
+        if self._state is not State.RUNNING:
             self._raise_if_stopped()
         self._claim(req)
         return self._push(req)
@@ -297,7 +207,7 @@ class Engine:
         self._queue.append(req)
         if self._sleeping:
             self._on_sleeping_engine()
-        if self._stopped:  # stopped meanwhile: nobody else will complete it
+        if self.stopped:  # stopped meanwhile: nobody else will complete it
             self._fail_leftovers()
         return handle
 
@@ -308,6 +218,8 @@ class Engine:
             self._wake()
 
     def _wake(self) -> None:
+        if self.on_wake is not None:
+            self.on_wake()
         with self._cond:
             self._sleeping = False
             self._cond.notify()
@@ -374,13 +286,14 @@ class Engine:
             # yet not ``locked()``). Polling for it without letting go of the GIL would starve
             # that thread until the interpreter's switch interval. The timeout: a cycle of
             # another thread may complete ``req`` long before it ends.
-            if not self._stopped and lock.acquire(timeout=WAIT_POLL_S):
+            if not self.stopped and lock.acquire(timeout=WAIT_POLL_S):
                 try:
-                    if not req.done and not self._stopped:
-                        self._guarded_cycle()
+                    if not req.done and not self.stopped:
+                        with self._hold_signals():  # an interrupt waits for the cycle's end
+                            self._guarded_cycle()
                 finally:
                     lock.release()
-            elif self._stopped:  # every request is being completed with the engine's error
+            elif self.stopped:  # every request is being completed with the engine's error
                 with self._done:
                     if not req.done:
                         self._done.wait(1.0)
@@ -390,7 +303,8 @@ class Engine:
         ``common.watch``). Waits for the engine thread's last cycle, at most ``timeout_s``
         (None: as long as it takes)."""
         with self._cond:
-            self._shutting_down = self._closed = True
+            if self._state is State.RUNNING:
+                self._state = State.STOPPING
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
@@ -408,9 +322,43 @@ class Engine:
         return self._alarm.error
 
     @property
+    def state(self) -> State:
+        return self._state
+
+    @property
     def stopped(self) -> bool:
         """The engine ran its last cycle (shut down, or failed): a new one is needed."""
-        return self._stopped
+        return self._state is State.STOPPED or self._state is State.FAILED
+
+    @property
+    def asleep(self) -> bool:
+        """The engine thread waits for a submission (or its timer): a submission wakes it."""
+        return self._sleeping
+
+    @property
+    def cycles(self) -> int:
+        """How many cycles ran, on any thread."""
+        return self._cycles
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted by a cycle."""
+        return len(self._queue)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def paused(self):
+        """Context in which no cycle runs (it holds the cycle lock): submissions queue up."""
+        return self._cycle_lock
+
+    def run_cycle(self) -> None:
+        """One cycle now, on this thread (the engine's thread, or a waiter's, runs them
+        otherwise): what a test of an engine without a thread needs."""
+        with self._cycle_lock:
+            if not self.stopped:
+                self._guarded_cycle()
 
     @property
     def error(self) -> HorovodInternalError | None:
@@ -419,9 +367,10 @@ class Engine:
     def _raise_if_stopped(self) -> None:
         if self._error is not None:
             raise self._error.copy()
-        if self._stopped_by_peers is not None:
-            raise self._stopped_by_peers.copy()
-        if self._stopped or self._shutting_down:
+        peers = self._coordinator.stopped_by_peers
+        if peers is not None:
+            raise peers.copy()
+        if self._state is not State.RUNNING:
             raise ValueError(SHUT_DOWN)
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -434,30 +383,30 @@ class Engine:
 
     def _loop(self) -> None:
         cycle_s = idle_s = self.settings.cycle_time_ms / 1000.0
-        while not self._stopped:
-            if self._callers and not self._shutting_down:
+        while not self.stopped:
+            if self._callers and self._state is State.RUNNING:
                 # Callers run the cycles, and every cycle admits the whole queue: a cycle here
                 # would only make them wait for it (two thread switches and a GIL hand-off on
                 # a shared core). Submissions do not notify meanwhile (_sleeping stays False);
                 # the last caller to go hands over what is left (_leave).
                 with self._cond:
-                    if self._callers and not self._shutting_down:
+                    if self._callers and self._state is State.RUNNING:
                         self._cond.wait(cycle_s)
                 continue
             woken = False
-            if not self._queue and not self._shutting_down:
+            if not self._queue and self._state is State.RUNNING:
                 with self._cond:
                     self._sleeping = True  # set before looking: see submit
-                    if not self._queue and not self._shutting_down:
+                    if not self._queue and self._state is State.RUNNING:
                         woken = self._cond.wait(idle_s)
                     self._sleeping = False
             with self._cycle_lock:
-                stopped = self._stopped
+                stopped = self.stopped
                 # Woken by a submission, but a waiting caller already ran the cycle that
                 # completed it (see wait): nothing is left for peers to wait on.
                 ran = not stopped and not (woken and self._idle())
                 if ran:
-                    self._worked = False
+                    self._coordinator.worked = False
                     self._guarded_cycle()
             if stopped:
                 break
@@ -466,7 +415,8 @@ class Engine:
             # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
             # back off so that an idle engine does not take the GIL from the training
             # thread a thousand times a second. A submission wakes it at once anyway.
-            idle_s = cycle_s if self._worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+            worked = self._coordinator.worked
+            idle_s = cycle_s if worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
 
     def _has_work(self) -> bool:
         """Some request of this rank is queued or pending (a join included)."""
@@ -474,7 +424,7 @@ class Engine:
                                         for ps in self._sets.values())
 
     def _idle(self) -> bool:
-        return (not self._queue and not self._shutting_down
+        return (not self._queue and self._state is State.RUNNING
                 and not any(ps.pending or ps.join_request for ps in self._sets.values()))
 
     def _guarded_cycle(self) -> None:
@@ -488,21 +438,24 @@ class Engine:
         except HorovodInternalError as exc:
             self._error = exc
             self._stop()
-        except Exception as exc:  # an MPI error or a bug: never leave callers hanging
+        except BaseException as exc:
+            # An MPI error, a bug, or, in a caller blocked in wait(), whatever interrupted it
+            # (KeyboardInterrupt, a signal handler's exception): the engine stops with an
+            # error that says so, the peers learn it, and a caller sees its own exception.
             self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
+            self._stop()
+            if threading.current_thread() is not self._thread:
+                raise
             log.exception("hpc_horovod engine failed")
-            self._stop()
-        except BaseException as exc:  # a waiter's KeyboardInterrupt: it is the waiter's to see
-            self._error = HorovodInternalError(f"{type(exc).__name__}: {exc}")
-            self._stop()
-            raise
 
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;
         True when the engine must stop."""
         if self._alarm.error is not None:
             raise self._alarm.error.copy()
-        shutting_down = self._shutting_down
+        if self.on_cycle is not None:
+            self.on_cycle()
+        shutting_down = self._state is State.STOPPING
         queue, sets, tl = self._queue, self._sets, self.timeline
         now = time.monotonic()
         while queue:
@@ -518,11 +471,12 @@ class Engine:
         self._cycles += 1
         if tl is not None and self.settings.timeline_mark_cycles:
             tl.mark_cycle()
-        if self._cycle_set(sets[0], shutting_down):
+        cycle, settings = self._coordinator.cycle, self.settings
+        if cycle(sets[0], shutting_down, settings, tl):
             return True
         for ps_id in sorted(sets):
-            if ps_id != 0 and ps_id in sets:
-                self._cycle_set(sets[ps_id], None)
+            if ps_id != 0 and ps_id in sets:  # a control step may remove sets
+                cycle(sets[ps_id], False, settings, tl)
         return False
 
     def _admit(self, req: Request) -> None:
@@ -536,223 +490,27 @@ class Engine:
             ps.join_request = req
             ps.join_cycle = self._cycles
 
-    def _cycle_set(self, ps: ProcessSetState, shutting_down: bool) -> bool:
-        """One negotiation and execution round on ``ps``; True when the engine must stop."""
-        backend, cache, pending = ps.backend, ps.cache, ps.pending
-        or_flags, bits = 0, 0
-        joined = ps.join_request is not None
-        if pending or joined:
-            self._worked = True
-        if joined:
-            bits = cache.valid_bits()
-        cached, uncached = _cache_bits(pending, cache.entries)
-        bits |= cached
-        if uncached:
-            or_flags |= FLAG_UNCACHED
-        settings = self.settings
-        if pending:
-            now = time.monotonic()
-            age = now - next(iter(pending.values())).submitted_at  # admitted oldest first
-            if (settings.stall_check and age > settings.stall_check_time_s
-                    and now - ps.last_stall_report > settings.stall_check_time_s):
-                or_flags |= FLAG_STALL
-            if settings.stall_shutdown_time_s and age > settings.stall_shutdown_time_s:
-                or_flags |= FLAG_ABORT
-        if shutting_down:
-            or_flags |= FLAG_SHUTDOWN
-        and_flags = FLAG_JOINED if joined else 0
-        words = pack_words(or_flags, and_flags, bits, cache.nwords)
-        backend.negotiate(words, settings.peer_timeout_s, self._alarm)
-        or_all, and_all, ready_bits = unpack_words(words)
-        all_joined = bool(and_all & FLAG_JOINED)
-
-        plan, reqs = None, []
-        if ready_bits or or_all:
-            self._worked = True  # peers are busy: stay responsive
-        if ready_bits and not all_joined:
-            plan = ps.cached_plan(ready_bits, settings.fusion_threshold)
-            pop = pending.pop
-            reqs = [pop(name, None) for name in plan.names]
-            if cache.tracks_use:
-                cache.touch(plan.names)
-        stop = False
-        if or_all & _FULL:
-            names, sigs = (list(plan.names), list(plan.sigs)) if plan is not None else ([], [])
-            known = len(names)
-            stop = self._full_negotiation(ps, or_all, shutting_down, names, sigs, reqs)
-            if len(names) > known:
-                plan = Plan(names, sigs, settings.fusion_threshold)
-                reqs = [reqs[i] for i in plan.order]
-        if plan is not None:
-            self._execute(ps, plan, reqs)
-        if all_joined:
-            self._finish_join(ps)
-        return stop
-
-    def _full_negotiation(self, ps, or_all, shutting_down, names, sigs, reqs) -> bool:
-        """Exchange every pending (name, signature); the newly agreed ones are appended to
-        ``names``, ``sigs`` and ``reqs``. True when the engine must stop."""
-        backend, cache = ps.backend, ps.cache
-        mine = [(name, req.signature) for name, req in ps.pending.items()]
-        gathered = backend.allgather_object((mine, ps.join_request is not None, shutting_down))
-        joined = {r for r, g in enumerate(gathered) if g[1]}
-        agreement = match([g[0] for g in gathered], joined, ps.ranks)
-        for name, sig in agreement.ready:
-            req = ps.pending.pop(name, None)
-            if req is not None and req.signature == sig:
-                sig = req.signature  # the interned one, so that later cycles compare identity
-            cache.put(name, sig)
-            names.append(name)
-            sigs.append(sig)
-            reqs.append(req)
-        for name, message in agreement.errors:
-            cache.evict(name)
-            req = ps.pending.pop(name, None)
-            if req is not None:
-                self._complete(req, error=HorovodInternalError(message))
-        now = time.monotonic()
-        if or_all & (FLAG_STALL | FLAG_ABORT):
-            ps.last_stall_report = now
-            if agreement.waiting:
-                text = stall_message(agreement.waiting, self.settings.stall_check_time_s)
-                if or_all & FLAG_ABORT:
-                    limit = self.settings.stall_shutdown_time_s
-                    error = HorovodInternalError(
-                        text + "\nAll ranks stop now: a stall lasted longer than "
-                        f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}."
-                    )
-                    late = sorted({r for ranks in agreement.waiting.values() for r in ranks})
-                    error.agreed = True
-                    error.culprit = (f"rank(s) {', '.join(map(str, late))} stalled: they did not "
-                                     f"submit {', '.join(sorted(agreement.waiting)[:3])} for "
-                                     f"{limit:g} s")
-                    raise error
-                if backend.rank == 0:
-                    print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
-        if or_all & FLAG_SHUTDOWN:
-            if not shutting_down:
-                ranks = ", ".join(str(ps.ranks[r]) for r, g in enumerate(gathered) if g[2])
-                error = HorovodInternalError(
-                    f"{SHUT_DOWN} Rank(s) {ranks} called shutdown while this rank still runs.")
-                error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
-                                 "script) while the others still ran collectives")
-                error.agreed = True
-                if self._has_work():
-                    raise error
-                self._stopped_by_peers = error
-            return True
-        return False
-
-    def _execute(self, ps: ProcessSetState, plan: Plan, reqs: list[Request | None]) -> None:
-        """Run the plan's steps, in the same order on every rank."""
-        backend, tl = ps.backend, self.timeline
-        for activity, start, stop, fused in plan.steps:
-            sigs, group = plan.sigs[start:stop], reqs[start:stop]
-            if fused is not None:
-                fn = functools.partial(fused, backend, group)
-            elif activity == "ALLGATHER":
-                fn = functools.partial(allgather_group, backend, list(zip(sigs, group)))
-            else:
-                fn = functools.partial(self._execute_one, ps, sigs[0], group[0])
-            self._run_group(backend, sigs[0].device, group, tl, activity, fn)
-
-    def _execute_one(self, ps: ProcessSetState, sig, req) -> None:
-        backend = ps.backend
-        if sig.kind == "allreduce":
-            adasum_one(backend, sig, req)
-        elif sig.kind == "broadcast":
-            broadcast_one(backend, sig, req)
-        elif sig.kind == "alltoall":
-            alltoall_one(backend, sig, req)
-        elif sig.kind == "reducescatter":
-            reducescatter_one(backend, sig, req)
-        elif sig.kind == "barrier":
-            backend.barrier()
-        elif sig.kind == "process_set_add":
+    def _control(self, ps: ProcessSetState, sig, req: Request) -> None:
+        """A control step, agreed like a collective (``execution.CONTROL``): a process set
+        created or removed, on every rank in the same cycle. Creation is collective over
+        ``ps``'s communicator."""
+        if sig.kind == "process_set_add":
             ranks = list(sig.shape)
-            sub = backend.sub(ranks)
+            sub = ps.backend.sub(ranks)
             ps_id = self._next_set_id
             self._next_set_id += 1
             self._members[ps_id] = ranks
             if sub is not None:
                 self._sets[ps_id] = ProcessSetState(ps_id, ranks, sub, self.settings)
             req.result = ps_id
-        elif sig.kind == "process_set_remove":
-            state = self._sets.pop(sig.root, None)
-            self._members.pop(sig.root, None)
-            if state is not None:
-                for pending in list(state.pending.values()):
-                    self._complete(pending, error=ValueError(
-                        f"process set {sig.root} was removed while this op was pending"))
-                state.backend.free()
-        else:  # pragma: no cover - guarded at submission
-            raise ValueError(f"unknown collective {sig.kind}")
-
-    def _run_group(self, backend, device: bool, group: list[Request | None], tl, activity: str,
-                   fn) -> None:
-        if device:
-            fn = self._on_device_stream(backend, group, fn)
-        if tl is not None:
-            for req in group:
-                if req is not None:
-                    tl.negotiate_end(req.name)
-                    tl.op_start(req.name, activity)
-        try:
-            if tl is not None:
-                with tl.activity([r.name for r in group if r is not None], activity):
-                    fn()
-            else:
-                fn()
-        except Exception as exc:
-            # Validated inputs make local failures impossible; what is left is the backend
-            # failing, after which the communicator cannot be trusted: stop everywhere.
-            error = exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
-                f"{activity.lower()} failed: {type(exc).__name__}: {exc}")
-            for req in group:
-                if req is not None:
-                    self._complete(req, error=error)
-            raise error from exc
-        if tl is not None:
-            for req in group:
-                if req is not None:
-                    tl.op_end(req.name)
-        self._forget_done(group)
-
-    @staticmethod
-    def _on_device_stream(backend, group, fn):
-        """GPU groups run on the device's stream (``gpu_stream.DeviceStream``), after the
-        producers' ready events, and leave a done event for the consumers: no host or
-        device-wide synchronization. The thread works on the group's device meanwhile and gets
-        its own current device back after (a caller blocked in ``wait`` runs cycles too).
-        NCCL's asynchronous errors (a lost peer or link) surface here, before more work is
-        queued behind a collective that will never end, and while the engine waits for peers
-        (``NcclBackend.negotiate``)."""
-
-        def run() -> None:
-            from .gpu_stream import device_stream, group_device, on_device
-
-            backend.check_async_error()
-            device = group_device(backend, [r.tensor for r in group if r is not None])
-            stream = device_stream(device)
-            with on_device(device), stream.activate():
-                for req in group:
-                    if req is not None and req.ready_event is not None:
-                        stream.wait_for(req.ready_event)
-                fn()
-                done = stream.done_event()
-            for req in group:
-                if req is not None:
-                    req.done_event = done
-
-        return run
-
-    def _finish_join(self, ps: ProcessSetState) -> None:
-        cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64))[:, 0]
-        last = max(range(len(cycles)), key=lambda r: (cycles[r], r))
-        req, ps.join_request = ps.join_request, None
-        req.result = ps.ranks[last]
-        ps.joins += 1
-        self._complete(req)
+            return
+        state = self._sets.pop(sig.root, None)
+        self._members.pop(sig.root, None)
+        if state is not None:
+            for pending in list(state.pending.values()):
+                self._complete(pending, error=ValueError(
+                    f"process set {sig.root} was removed while this op was pending"))
+            state.backend.free()
 
     def _forget_done(self, group: list[Request | None]) -> None:
         """Mark a group's requests done and free their names."""
@@ -788,10 +546,12 @@ class Engine:
         self._fail(self._drain_queue())
 
     def _stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = self._closed = True
+        """The last cycle ran (under ``_cycle_lock``): fail what is left."""
         error = self._error
+        with self._cond:
+            if self.stopped:
+                return
+            self._state = State.STOPPED if error is None else State.FAILED
         if error is not None:  # device work in flight may wait for a peer that is gone
             for ps in self._sets.values():
                 ps.backend.abort()

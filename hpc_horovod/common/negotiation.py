@@ -1,12 +1,5 @@
-"""Agreeing on which tensors are ready on every rank. Pure functions and one deterministic cache.
-
-Two paths, as in Horovod:
-
-* steady state: every tensor name that was agreed once owns a bit in the :class:`ResponseCache`;
-  a cycle is one bitwise-AND allreduce of those bits (plus two flag words), no names on the wire;
-* otherwise (a new name, changed metadata, a stall report, a shutdown) every rank gathers all
-  ranks' pending ``(name, signature)`` lists and :func:`match` decides, identically everywhere,
-  which names are ready and which disagree.
+"""Agreeing on which tensors are ready on every rank: the pure functions and the one
+deterministic cache of the protocol that ``coordinator`` runs (and describes).
 
 The cache changes only through :func:`match`'s output, in the same order on every rank, so bit
 assignments never diverge.
@@ -32,8 +25,9 @@ FLAG_JOINED = 1
 class ResponseCache:
     """Name -> (bit, signature) for tensors already agreed on; identical on every rank.
 
-    ``entries`` is read directly by the engine's cycle (``engine._cache_bits``); ``generation``
-    changes whenever a bit changes owner, which invalidates what was derived from bit sets.
+    ``entries`` is read directly by the coordinator's cycle (``coordinator._cache_bits``);
+    ``generation`` changes whenever a bit changes owner, which invalidates what was derived from
+    bit sets.
     """
 
     def __init__(self, capacity: int):

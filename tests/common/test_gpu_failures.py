@@ -165,8 +165,7 @@ def test_a_normal_stop_lets_device_work_finish(nccl):
     engine = Engine(routed_backend(nccl, comm), Settings())
     assert engine.wait(engine.submit(allreduce("x", np.ones(2)))).result.tolist() == [1.0, 1.0]
     engine.shutdown()
-    with engine._cycle_lock:
-        engine._guarded_cycle()
+    engine.run_cycle()
     assert engine.stopped and engine.error is None
     assert not comm.aborted
     engine.free_backends()

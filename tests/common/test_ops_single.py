@@ -156,9 +156,9 @@ def test_unknown_op(single, op):
 
 def test_duplicate_name_in_flight_is_a_value_error(single):
     engine = basics.engine()
-    # Hold the engine's queue lock so the first request cannot complete before the second
-    # arrives: the real-life case is a peer that has not submitted yet (tests/parallel).
-    with engine._cond:
+    # No cycle runs, so the first request cannot complete before the second arrives: the
+    # real-life case is a peer that has not submitted yet (tests/parallel).
+    with engine.paused():
         first = single.allreduce_async(np.ones(2), name="grad")
         with pytest.raises(ValueError) as info:
             single.allreduce_async(np.ones(2), name="grad")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpc_horovod.common.engine import Plan
+from hpc_horovod.common.execution import Plan
 from hpc_horovod.common.fusion import SOLO_BYTES
 from hpc_horovod.common.request import signature_of
 from hpc_horovod.common.types import Adasum, Average, Sum
@@ -26,7 +26,7 @@ def test_allreduces_first_fused_by_dtype_and_op_then_gathers_then_the_rest():
     names = [f"t{i}" for i in range(len(sigs))]
     plan = Plan(names, sigs, threshold=1 << 20)
     steps = [(activity, [plan.order[i] for i in range(start, stop)], fused is not None)
-             for activity, start, stop, fused in plan.steps]
+             for _, activity, start, stop, fused in plan.steps]
     assert steps == [
         ("ALLREDUCE", [1, 4], True),
         ("ALLREDUCE", [3], True),
@@ -43,7 +43,7 @@ def test_fusion_threshold_splits_groups_and_layout_follows_the_shapes():
     sigs = [signature_of("allreduce", np.zeros(shape, np.float32), Sum)
             for shape in [(4, 2), (3,), (5,)]]
     plan = Plan(["a", "b", "c"], sigs, threshold=11 * 4)  # 8 + 3 elements fit, 5 more do not
-    fused = [step[3] for step in plan.steps]
+    fused = [step[4] for step in plan.steps]
     assert [f.shapes for f in fused] == [[(4, 2), (3,)], [(5,)]]
     assert fused[0].bounds == [(0, 8), (8, 11)] and fused[0].total == 11
     assert not fused[0].flat and fused[1].flat
@@ -62,4 +62,4 @@ def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
     small, large = np.zeros(16, np.float32), np.zeros(SOLO_BYTES // 4, np.float32)
     sigs = [signature_of("allreduce", a, Sum) for a in (small, large, small, large)]
     plan = Plan(["a", "b", "c", "d"], sigs, threshold=64 << 20)
-    assert [plan.order[start:stop] for _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]
+    assert [plan.order[start:stop] for _, _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]

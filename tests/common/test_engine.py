@@ -46,7 +46,7 @@ def test_a_waiter_runs_the_cycles_the_idle_engine_thread_would():
     for handle, x in zip(handles, xs):
         np.testing.assert_array_equal(engine.wait(handle).result, x)
     assert engine.wait(handles[-1]).result is inplace
-    assert engine._cycles >= 1 and not engine._queue
+    assert engine.cycles >= 1 and not engine.queued
 
 
 def test_concurrent_waiters_share_the_cycles():
@@ -78,7 +78,7 @@ def test_a_failure_in_a_waiters_cycle_stops_the_engine(exc):
     if expected is KeyboardInterrupt:  # the waiter's own interrupt reaches it; the request...
         with pytest.raises(HorovodInternalError, match="KeyboardInterrupt"):
             engine.wait(first)  # ...failed with the engine, as every later one does
-    assert engine.error is not None and engine._stopped
+    assert engine.error is not None and engine.stopped
     with pytest.raises(HorovodInternalError):
         engine.submit(allreduce("b", np.ones(2)))
 
@@ -91,10 +91,9 @@ def slow_engine():
     completes sooner was completed by a waiter or by a thread that was woken for it."""
     engine = Engine(SingleBackend(), Settings(cycle_time_ms=30_000))
     wakes = []
-    wake = engine._wake
-    engine._wake = lambda: (wakes.append(threading.get_ident()), wake())
+    engine.on_wake = lambda: wakes.append(threading.get_ident())
     engine.start()
-    _wait_for(lambda: engine._sleeping, "the engine thread to fall asleep")
+    _wait_for(lambda: engine.asleep, "the engine thread to fall asleep")
     yield engine, wakes
     engine.shutdown()
 
@@ -110,7 +109,7 @@ def _wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
 def test_the_engine_thread_keeps_the_default_scheduling_policy(slow_engine):
     """No silent process-wide change: the engine's thread runs under the policy it inherited."""
     engine, _ = slow_engine
-    assert os.sched_getscheduler(engine._thread.native_id) == os.sched_getscheduler(0)
+    assert os.sched_getscheduler(engine.thread.native_id) == os.sched_getscheduler(0)
 
 
 def test_a_synchronous_op_leaves_the_engine_thread_asleep(slow_engine):
@@ -118,7 +117,7 @@ def test_a_synchronous_op_leaves_the_engine_thread_asleep(slow_engine):
     x = np.arange(5.0)
     with engine.synchronous():
         handle = engine.submit(allreduce("sync", x))
-        assert engine._sleeping and not wakes
+        assert engine.asleep and not wakes
         np.testing.assert_array_equal(engine.wait(handle).result, x)
     assert not wakes  # nothing was left for the thread
     engine.submit(allreduce("async", x))  # an asynchronous op wakes it at once

@@ -1,0 +1,67 @@
+"""Signals held while the main thread runs one of the engine's cycles.
+
+A caller blocked in ``Engine.wait`` runs the engine's cycles itself, and the main thread is the
+one where Python runs signal handlers: a KeyboardInterrupt, a signal handler's exception or
+pytest-timeout's ``pytest.fail`` could otherwise cut a cycle short anywhere, leaving this rank
+out of step with its peers, which wait in a collective it never reaches. While the cycle runs,
+every Python handler is replaced by one that notes the signal; once the cycle is over the
+handlers are put back and the noted signals handled, in the caller's ``wait``. The engine is
+then in step everywhere and goes on working. A second signal during the same cycle (a peer that
+no longer answers keeps a cycle waiting up to ``HOROVOD_PEER_TIMEOUT_SECONDS``) is handled at
+once: the cycle is given up and the engine stops on every rank with a message naming this one.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+#: the signals whose Python handlers are held (SIGKILL and SIGSTOP have none)
+_SIGNALS = [s for s in signal.valid_signals()
+            if s < getattr(signal, "SIGRTMIN", 32)
+            and s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+class HeldSignals:
+    """Context of one cycle on the main thread (a no-op on any other thread)."""
+
+    __slots__ = ("_saved", "_held")
+
+    def __init__(self):
+        self._saved: dict[int, object] = {}
+        self._held: list[tuple[int, object]] = []
+
+    def __enter__(self) -> HeldSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        hold = self._hold
+        for signum, handler in zip(_SIGNALS, map(signal.getsignal, _SIGNALS)):
+            if callable(handler):
+                self._saved[signum] = handler
+                signal.signal(signum, hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        if self._held:  # the second: handled now
+            self._restore()
+            self._held.clear()
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handler(signum, frame)
+            return
+        self._held.append((signum, frame))
+
+    def _restore(self) -> None:
+        saved, self._saved = self._saved, {}
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+    def __exit__(self, *exc_info) -> None:
+        if not self._saved:
+            return
+        self._restore()
+        held, self._held = self._held, []
+        for signum, frame in held:
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handler(signum, frame)

@@ -4,8 +4,9 @@ A caller blocked in ``Engine.wait`` runs the engine's cycles itself, and the mai
 one where Python runs signal handlers: a KeyboardInterrupt, a signal handler's exception or
 pytest-timeout's ``pytest.fail`` could otherwise cut a cycle short anywhere, leaving this rank
 out of step with its peers, which wait in a collective it never reaches. While the cycle runs,
-every Python handler is replaced by one that notes the signal; once the cycle is over the
-handlers are put back and the noted signals handled, in the caller's ``wait``. The engine is
+the Python handler of every signal a running program is sent (``_SIGNALS``) is replaced by one
+that notes the signal; once the cycle is over the handlers are put back and the noted signals
+handled, in the caller's ``wait``. The engine is
 then in step everywhere and goes on working. A second signal during the same cycle (a peer that
 no longer answers keeps a cycle waiting up to ``HOROVOD_PEER_TIMEOUT_SECONDS``) is handled at
 once: the cycle is given up and the engine stops on every rank with a message naming this one.
@@ -16,10 +17,14 @@ from __future__ import annotations
 import signal
 import threading
 
-#: the signals whose Python handlers are held (SIGKILL and SIGSTOP have none)
-_SIGNALS = [s for s in signal.valid_signals()
-            if s < getattr(signal, "SIGRTMIN", 32)
-            and s not in (signal.SIGKILL, signal.SIGSTOP)]
+#: the signals whose Python handlers are held: those a user, a test runner (pytest-timeout's
+#: SIGALRM) or a batch system (SLURM's SIGTERM, SIGUSR1/2 before the time limit, SIGXCPU) sends
+#: to a running program. Reading every signal's handler at each cycle would cost more than the
+#: cycle of a small allreduce; a handler of another signal that raises during a cycle stops the
+#: engine on every rank with a message instead (Engine.wait).
+_SIGNALS = [getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU",
+    "SIGVTALRM", "SIGPROF") if hasattr(signal, name)]
 
 
 class HeldSignals:

@@ -35,12 +35,15 @@ class Backend:
         as it is set while waiting."""
         self._unsupported("negotiate")
 
-    def allgather_object(self, obj) -> list:
-        """Every rank's picklable ``obj``, in rank order."""
+    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
+        """Every rank's picklable ``obj``, in rank order; ``timeout_s`` and ``alarm`` as in
+        :meth:`negotiate`."""
         self._unsupported("allgather_object")
 
-    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
-        """(size, len(values)) int64: every rank's ``values``."""
+    def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
+                       alarm=None) -> np.ndarray:
+        """(size, len(values)) int64: every rank's ``values``; ``timeout_s`` and ``alarm`` as
+        in :meth:`negotiate`."""
         self._unsupported("allgather_ints")
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:

@@ -6,6 +6,8 @@ so a peer that died or stopped answering becomes an error instead of a hang.
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 from mpi4py import MPI
 
@@ -68,6 +70,8 @@ class MpiBackend(Backend):
         self.size = comm.Get_size()
         self._waiter = RequestWaiter(self.size)
         self._words: np.ndarray | None = None  # the buffer of the last negotiation
+        self._kept: tuple = ()  # those of the last allgather_object and allgather_ints
+        self._kept_ints: tuple = ()
 
     # -- negotiation ---------------------------------------------------------------------------
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
@@ -81,13 +85,24 @@ class MpiBackend(Backend):
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
         self._waiter.wait(req, timeout_s, "negotiation", alarm)
 
-    def allgather_object(self, obj):
-        return self.comm.allgather(obj)
+    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
+        """Every rank's ``obj``, in rank order; waits as :meth:`negotiate`'s do (a peer that
+        fails or is lost while the others exchange their names ends the wait)."""
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = self.allgather_ints(np.array([data.size]), timeout_s, alarm)[:, 0]
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._kept = (data, out)  # as ``words`` in negotiate: MPI may write after a give-up
+        req = self.comm.Iallgatherv(data, [out, sizes.tolist(), displs.tolist(), MPI.BYTE])
+        self._waiter.wait(req, timeout_s, "exchange of pending names", alarm)
+        return [pickle.loads(out[a:a + n]) for a, n in zip(displs.tolist(), sizes.tolist())]
 
-    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
+    def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
+                       alarm=None) -> np.ndarray:
         values = np.ascontiguousarray(values, dtype=np.int64)
         out = np.empty((self.size, values.size), dtype=np.int64)
-        self.comm.Allgather(values, out)
+        self._kept_ints = (values, out)
+        self._waiter.wait(self.comm.Iallgather(values, out), timeout_s, "allgather", alarm)
         return out
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:

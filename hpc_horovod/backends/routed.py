@@ -46,11 +46,14 @@ class RoutedBackend(Backend):
         check()
         self.host.negotiate(words, timeout_s, DeviceWatch(alarm, check))
 
-    def allgather_object(self, obj) -> list:
-        return self.host.allgather_object(obj)
+    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
+        check = self.on_device.check_async_error
+        return self.host.allgather_object(obj, timeout_s, DeviceWatch(alarm, check))
 
-    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
-        return self.host.allgather_ints(values)
+    def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
+                       alarm=None) -> np.ndarray:
+        check = self.on_device.check_async_error
+        return self.host.allgather_ints(values, timeout_s, DeviceWatch(alarm, check))
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         return self.host.alltoall_ints(values)

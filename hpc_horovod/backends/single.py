@@ -17,10 +17,11 @@ class SingleBackend(Backend):
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         return None
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None):
         return [obj]
 
-    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
+    def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
+                       alarm=None) -> np.ndarray:
         return values.reshape(1, -1).copy()
 
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:

@@ -177,7 +177,7 @@ class Coordinator:
         if plan is not None:
             self._execution.run(ps, plan, reqs, timeline)
         if all_joined:
-            self._finish_join(ps)
+            self._finish_join(ps, settings)
         return stop
 
     def _full(self, ps, or_all, shutting_down, settings, names, sigs, reqs) -> bool:
@@ -185,7 +185,8 @@ class Coordinator:
         are appended to ``names``, ``sigs`` and ``reqs``. True when the engine must stop."""
         backend, cache = ps.backend, ps.cache
         mine = [(name, req.signature) for name, req in ps.pending.items()]
-        gathered = backend.allgather_object((mine, ps.join_request is not None, shutting_down))
+        gathered = backend.allgather_object((mine, ps.join_request is not None, shutting_down),
+                                            settings.peer_timeout_s, self._alarm)
         joined = {r for r, g in enumerate(gathered) if g[1]}
         agreement = match([g[0] for g in gathered], joined, ps.ranks)
         for name, sig in agreement.ready:
@@ -238,9 +239,10 @@ class Coordinator:
         if rank == 0:
             print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
 
-    def _finish_join(self, ps: ProcessSetState) -> None:
+    def _finish_join(self, ps: ProcessSetState, settings: Settings) -> None:
         """Step 4's end: every member joined."""
-        cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64))[:, 0]
+        cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64),
+                                           settings.peer_timeout_s, self._alarm)[:, 0]
         last = max(range(len(cycles)), key=lambda r: (cycles[r], r))
         req, ps.join_request = ps.join_request, None
         req.result = ps.ranks[last]

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -42,6 +43,9 @@ if scenario == "exception":
     hvd.barrier()
     if RANK == LAST:
         time.sleep(0.2)  # let the others block in their allreduce first
+        # mpirun ends the job once this rank exits: leave the others a second to print what
+        # they saw (the pending op's error reaches them before this rank's exit, not after)
+        atexit.register(time.sleep, 1.0)
         raise RuntimeError("boom on purpose")
     start = time.monotonic()
     try:

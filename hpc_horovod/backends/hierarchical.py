@@ -51,7 +51,7 @@ from mpi4py import MPI
 from ..common import patience
 from ..common.errors import HorovodInternalError, SharedMemoryError
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
-from .mpi import MpiBackend
+from .mpi import MpiBackend, sub_communicator
 
 try:
     from .. import _native  # type: ignore[attr-defined]
@@ -503,7 +503,7 @@ class HierarchicalBackend(MpiBackend):
     def sub(self, ranks) -> MpiBackend | None:
         """Collective over this set: a backend for ``ranks`` (None on non-members), staged as
         this one."""
-        comm = self._sub_comm(ranks)
+        comm = sub_communicator(self.comm, ranks)
         return None if comm is None else create(comm, self.window_bytes, self.timeout_s,
                                                 self.mpi_below_bytes)
 

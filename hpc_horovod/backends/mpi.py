@@ -178,17 +178,23 @@ class MpiBackend(Backend):
     # -- process sets ----------------------------------------------------------------------------
     def sub(self, ranks) -> MpiBackend | None:
         """Collective over this communicator: a backend for ``ranks`` (None on non-members)."""
-        comm = self._sub_comm(ranks)
+        comm = sub_communicator(self.comm, ranks)
         return None if comm is None else MpiBackend(comm)
-
-    def _sub_comm(self, ranks) -> MPI.Comm | None:
-        """Collective: a communicator of ``ranks`` (None on non-members)."""
-        group = self.comm.Get_group().Incl(list(ranks))
-        comm = self.comm.Create_group(group)
-        group.Free()
-        return None if comm == MPI.COMM_NULL else comm
 
     def free(self) -> None:
         """Release the communicator (local)."""
-        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
-            self.comm.Free()
+        free_communicator(self.comm)
+
+
+def sub_communicator(comm: MPI.Comm, ranks) -> MPI.Comm | None:
+    """Collective over ``comm``: a communicator of ``ranks`` (None on non-members)."""
+    group = comm.Get_group().Incl(list(ranks))
+    sub = comm.Create_group(group)
+    group.Free()
+    return None if sub == MPI.COMM_NULL else sub
+
+
+def free_communicator(comm: MPI.Comm) -> None:
+    """Release ``comm`` (local); the world and the null communicator are not ours to free."""
+    if comm not in (MPI.COMM_WORLD, MPI.COMM_NULL):
+        comm.Free()

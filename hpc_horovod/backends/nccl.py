@@ -1,9 +1,10 @@
 """NCCL backend (``cupy.cuda.nccl``): device buffers on a dedicated CUDA stream.
 
-:class:`NcclBackend` moves device (cupy) buffers over an NCCL communicator; it is an
-:class:`~hpc_horovod.backends.mpi.MpiBackend` for its small host collectives (the NCCL id, the
-hierarchical stage's communicators). Host buffers and the negotiation go to the host backend,
-which :class:`~hpc_horovod.backends.routed.RoutedBackend` pairs it with. The NCCL communicator is
+:class:`NcclBackend` moves device (cupy) buffers over an NCCL communicator, and nothing else:
+host buffers, the negotiation and the other host collectives belong to the host backend, which
+:class:`~hpc_horovod.backends.routed.RoutedBackend` pairs it with; called on it, they raise "nccl
+does not support <op>". It keeps an MPI communicator of its own (``comm``) only to broadcast
+the NCCL id and to split the hierarchical stage's communicators. The NCCL communicator is
 created at the first device collective from a unique id made on rank 0 and broadcast over MPI;
 the engine reaches that point in the same order on every rank, as ncclCommInitRank requires.
 
@@ -44,7 +45,8 @@ from ..common.gpu_stream import (
     pin_thread,
 )
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum, bfloat16
-from .mpi import MpiBackend, _wraps_badly
+from .base import Backend
+from .mpi import MpiBackend, _wraps_badly, free_communicator, sub_communicator
 
 log = logging.getLogger("hpc_horovod")
 
@@ -320,20 +322,16 @@ def _ptr(array) -> int:
     return array.data.ptr
 
 
-def _device_array(array) -> None:
-    if not array.flags.c_contiguous:
-        raise ValueError("NCCL collectives need C-contiguous device buffers")
-
-
 # -- the backend -----------------------------------------------------------------------------------
-class NcclBackend(MpiBackend):
-    """A process set's communicators: MPI for negotiation and host buffers (inherited), NCCL
-    for device buffers. ``node_id`` (this rank's node index) turns on hierarchical allreduce
-    where the set spans several nodes."""
+class NcclBackend(Backend):
+    """A process set's device backend: NCCL for device buffers, over the ranks of ``comm`` (an
+    mpi4py communicator this backend owns, used only to set NCCL up). The host-only methods
+    are :class:`~hpc_horovod.backends.base.Backend`'s refusals. ``node_id`` (this rank's node
+    index) turns on hierarchical allreduce where the set spans several nodes."""
 
     name = "nccl"
 
-    def __init__(self, mpi_comm, device: int, *, node_id: int | None = None):
+    def __init__(self, comm, device: int, *, node_id: int | None = None):
         import cupy
         from cupy.cuda import nccl
 
@@ -341,7 +339,8 @@ class NcclBackend(MpiBackend):
             raise RuntimeError("CuPy was built without NCCL or cannot load it: `pip install "
                                f"{nccl_package(cuda_runtime_version())}` (or load the "
                                "cluster's NCCL)")
-        super().__init__(mpi_comm)
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._cupy, self._nccl = cupy, nccl
         self.device = int(device)
         self.node_id = node_id
@@ -431,12 +430,23 @@ class NcclBackend(MpiBackend):
         return getattr(self._nccl, name)
 
     # -- device data -------------------------------------------------------------------------------
-    def allreduce(self, buf, op: int, send=None) -> None:
+    def _device_arrays(self, *arrays) -> None:
+        """Refuse host buffers (the host backend moves them) and non-contiguous ones."""
+        for array in arrays:
+            if isinstance(array, np.ndarray):
+                self._unsupported("host buffers (numpy arrays)")
+            if not array.flags.c_contiguous:
+                raise ValueError("NCCL collectives need C-contiguous device buffers")
+
+    def allreduce(self, buf, op: int, send=None, prescale: float = 1.0,
+                  postscale: float = 1.0) -> None:
         """Reduction of ``buf`` over the set, in place, or from ``send`` (same shape and dtype)
-        into ``buf``: NCCL reads one buffer and writes the other, with no copy of ours."""
-        _device_array(buf)
+        into ``buf``: NCCL reads one buffer and writes the other, with no copy of ours. The
+        engine scales device buffers itself, on the stream: scale factors are refused."""
+        if prescale != 1.0 or postscale != 1.0:
+            self._unsupported("allreduce with scale factors (scale on the device)")
         source = buf if send is None else send
-        _device_array(source)
+        self._device_arrays(buf, source)
         plan = reduction_plan(buf.dtype, op)
         if buf.size == 0:
             return None
@@ -461,8 +471,7 @@ class NcclBackend(MpiBackend):
 
     def allgatherv(self, send, recv, counts) -> None:
         """Rank r's ``counts[r]`` elements, laid end to end in ``recv`` on every rank."""
-        _device_array(send)
-        _device_array(recv)
+        self._device_arrays(send, recv)
         counts = [int(c) for c in counts]
         item = send.dtype.itemsize
         int8 = self._const("NCCL_INT8")
@@ -483,7 +492,7 @@ class NcclBackend(MpiBackend):
 
     def bcast(self, buf, root: int) -> None:
         """Rank ``root``'s ``buf`` on every rank, in place."""
-        _device_array(buf)
+        self._device_arrays(buf)
         if buf.nbytes == 0:
             return None
         with self.activate():
@@ -495,8 +504,7 @@ class NcclBackend(MpiBackend):
 
     def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
         """Rank i sends ``send_counts[j]`` elements to rank j, grouped send/recv pairs."""
-        _device_array(send)
-        _device_array(recv)
+        self._device_arrays(send, recv)
         item = send.dtype.itemsize
         int8 = self._const("NCCL_INT8")
         with self.activate():
@@ -512,8 +520,7 @@ class NcclBackend(MpiBackend):
 
     def reduce_scatter(self, send, recv, counts, op: int) -> None:
         """Reduce ``send`` over the set; this rank keeps its ``counts[rank]`` elements."""
-        _device_array(send)
-        _device_array(recv)
+        self._device_arrays(send, recv)
         counts = [int(c) for c in counts]
         plan = reduction_plan(send.dtype, op)
         with self.activate():
@@ -564,7 +571,7 @@ class NcclBackend(MpiBackend):
 
     def sub(self, ranks) -> NcclBackend | None:
         """Collective over this set: a backend for ``ranks`` (None on non-members)."""
-        comm = self._sub_comm(ranks)
+        comm = sub_communicator(self.comm, ranks)
         if comm is None:
             return None
         return NcclBackend(comm, self.device, node_id=self.node_id)
@@ -578,7 +585,7 @@ class NcclBackend(MpiBackend):
         drained = self._drain(timeout_s)
         if self._hierarchy is not None:
             self._hierarchy.local.free_device(timeout_s if drained else 0.0)
-            MpiBackend.free(self._hierarchy.local)
+            free_communicator(self._hierarchy.local.comm)
             self._hierarchy.cross_allreduce.cross.free()
             self._hierarchy = None
         if self._nccl_comm is not None:
@@ -609,6 +616,6 @@ class NcclBackend(MpiBackend):
         return True
 
     def free(self) -> None:
-        """Everything :meth:`free_device` frees, and the MPI communicator (as MpiBackend)."""
+        """Everything :meth:`free_device` frees, and the MPI communicator."""
         self.free_device()
-        super().free()
+        free_communicator(self.comm)

@@ -61,12 +61,7 @@ class RoutedBackend(Backend):
     # -- data ------------------------------------------------------------------------------------
     def allreduce(self, buf, op: int, send=None, prescale: float = 1.0,
                   postscale: float = 1.0) -> None:
-        if isinstance(buf, np.ndarray):
-            self.host.allreduce(buf, op, send, prescale, postscale)
-        elif prescale != 1.0 or postscale != 1.0:
-            self.on_device._unsupported("allreduce with scale factors (scale on the device)")
-        else:
-            self.on_device.allreduce(buf, op, send)
+        self._for(buf).allreduce(buf, op, send, prescale, postscale)
 
     def allgatherv(self, send, recv, counts) -> None:
         self._for(send).allgatherv(send, recv, counts)

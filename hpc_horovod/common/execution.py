@@ -171,7 +171,7 @@ def _on_device_stream(backend, group, fn):
     synchronization. The thread works on the group's device meanwhile and gets its own current
     device back after (a caller blocked in ``wait`` runs cycles too). NCCL's asynchronous
     errors (a lost peer or link) surface here, before more work is queued behind a collective
-    that will never end, and while the engine waits for peers (``NcclBackend.negotiate``)."""
+    that will never end, and while the engine waits for peers (``RoutedBackend.negotiate``)."""
 
     def run() -> None:
         from .gpu_stream import device_stream, group_device, on_device

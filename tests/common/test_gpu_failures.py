@@ -12,6 +12,7 @@ arithmetic are the real ones. The same defects on a GPU: ``tests/gpu/test_device
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -217,6 +218,60 @@ def test_waiting_for_peers_watches_nccl_errors(nccl):
     del waiting.abandoned[abandoned:]
     backend._nccl_comm = None
     backend.free()
+
+
+# -- one device backend, beside the host one ----------------------------------------------------
+HOST = np.zeros(4, np.float32)
+HOST_ONLY = [
+    ("negotiate", lambda b: b.negotiate(np.zeros(2, np.uint64), 1.0)),
+    ("allgather_object", lambda b: b.allgather_object("name")),
+    ("allgather_ints", lambda b: b.allgather_ints(np.zeros(1, np.int64))),
+    ("alltoall_ints", lambda b: b.alltoall_ints(np.zeros(1, np.int64))),
+    ("barrier", lambda b: b.barrier()),
+    ("host buffers (numpy arrays)", lambda b: b.allreduce(HOST, Sum)),
+    ("host buffers (numpy arrays)", lambda b: b.allgatherv(HOST, HOST, [4])),
+    ("host buffers (numpy arrays)", lambda b: b.bcast(HOST, 0)),
+    ("host buffers (numpy arrays)", lambda b: b.alltoallv(HOST, [4], HOST, [4])),
+    ("host buffers (numpy arrays)", lambda b: b.reduce_scatter(HOST, HOST, [4], Sum)),
+    ("allreduce with scale factors (scale on the device)",
+     lambda b: b.allreduce(HOST, Sum, prescale=0.5)),
+]
+
+
+@pytest.mark.parametrize("op, call", HOST_ONLY,
+                         ids=[f"{i}-{op.split()[0]}" for i, (op, _) in enumerate(HOST_ONLY)])
+def test_the_nccl_backend_refuses_host_work(nccl, op, call):
+    """The NCCL backend is a device backend only: it is no MPI backend, and the negotiation,
+    the small host collectives and host buffers, which the host backend beside it moves, are
+    refused by name."""
+    from mpi4py import MPI
+
+    from hpc_horovod.backends.mpi import MpiBackend
+
+    comm = StandInCommunicator(nccl)
+    backend = nccl_backend(nccl, comm)
+    assert not isinstance(backend, MpiBackend)
+    with pytest.raises(NotImplementedError, match=f"^nccl does not support {re.escape(op)}$"):
+        call(backend)
+    backend.free()
+    assert comm.destroyed and backend.comm == MPI.COMM_NULL
+
+
+def test_process_sets_of_the_routed_backend_pair_a_host_and_a_device_backend(nccl):
+    from mpi4py import MPI
+
+    from hpc_horovod.backends.mpi import MpiBackend
+    from hpc_horovod.backends.nccl import NcclBackend
+
+    routed = routed_backend(nccl, StandInCommunicator(nccl))
+    sub = routed.sub([0])
+    assert type(sub.host) is MpiBackend and type(sub.on_device) is NcclBackend
+    assert (sub.on_device.rank, sub.on_device.size, sub.on_device.device) == (0, 1, 0)
+    assert sub.on_device.comm not in (routed.on_device.comm, MPI.COMM_NULL)
+    sub.free()
+    assert sub.on_device.comm == MPI.COMM_NULL and sub.host.comm == MPI.COMM_NULL
+    assert routed.sub([]) is None
+    routed.free()
 
 
 # -- the caller's current device ----------------------------------------------------------------

@@ -578,7 +578,7 @@ class NcclBackend(Backend):
 
     def free_device(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Destroy the NCCL communicators and drop the device buffers once the stream has
-        drained; the MPI communicator stays (set 0's belongs to ``init``). When the stream does
+        drained; the MPI communicator stays (:meth:`free` releases it). When the stream does
         not drain (a peer died inside a collective, NCCL reports an asynchronous error, or
         ``timeout_s`` passes) the communicators are aborted instead, which ends their kernels:
         neither this call nor the framework's later waits on the stream hang."""

@@ -160,9 +160,17 @@ def check_backend(backend: NcclBackend) -> None:
 
 flat = NcclBackend(comm.Dup(), device)
 check_backend(flat)
-# its small host collectives stay on MPI (host buffers go to the host backend: RoutedBackend)
-assert flat.allgather_ints(np.array([rank])).reshape(-1).tolist() == list(range(size))
-flat.barrier()
+# device buffers only: the host collectives and host buffers are the host backend's
+# (RoutedBackend pairs the two), refused here by name
+for call, op in ((lambda: flat.allgather_ints(np.array([rank])), "allgather_ints"),
+                 (flat.barrier, "barrier"),
+                 (lambda: flat.allreduce(np.ones(4, np.float32), Sum), "host buffers")):
+    try:
+        call()
+    except NotImplementedError as exc:
+        assert str(exc).startswith(f"nccl does not support {op}"), exc
+    else:
+        raise AssertionError(f"the NCCL backend ran {op}")
 # the fusion buffer is kept per dtype
 first = flat.fusion_buffer(np.float32, 1000)
 assert flat.fusion_buffer(np.float32, 10).data.ptr == first.data.ptr

@@ -5,6 +5,10 @@ Every rank appends what its committed batches processed to ``LOG_DIR/committed-<
 (``epoch index`` lines) once ``state.commit()`` returned, and its final parameters' checksum to
 ``LOG_DIR/final-<rank>``. The killed rank writes the time of its death to ``LOG_DIR/killed``;
 after the restart, rank 0 prints how long it took to train again.
+
+With ``--hold``, every rank of the job's first run (``SLURM_RESTART_COUNT`` 0) writes
+``LOG_DIR/held-<rank>`` at that point instead and sleeps until it is ended: a test requeues the
+job there and writes the time of the requeue to ``LOG_DIR/killed``.
 """
 
 import argparse
@@ -17,6 +21,7 @@ import time
 import torch
 
 import hpc_horovod.torch as hvd
+from hpc_horovod.slurm.requeue import restart_count
 
 parser = argparse.ArgumentParser()
 parser.add_argument("log_dir")
@@ -28,6 +33,8 @@ parser.add_argument("--kill-size", type=int, default=3, help="only in a job of t
 parser.add_argument("--kill-host", default="", help="kill every rank of this host instead")
 parser.add_argument("--kill-epoch", type=int, default=1)
 parser.add_argument("--kill-batch", type=int, default=1)
+parser.add_argument("--hold", action="store_true",
+                    help="in the first run of a SLURM job, every rank sleeps at the kill point")
 args = parser.parse_args()
 
 hvd.init()
@@ -51,6 +58,13 @@ def on_reset():
 
 def die_here(epoch: int, batch: int) -> bool:
     if (hvd.size(), epoch, batch) != (args.kill_size, args.kill_epoch, args.kill_batch):
+        return False
+    if args.hold:
+        if restart_count() == 0:
+            with open(os.path.join(args.log_dir, f"held-{hvd.rank()}"), "w") as fh:
+                fh.write(repr(time.time()))
+            while True:
+                time.sleep(1)
         return False
     if args.kill_host:
         return socket.gethostname() == args.kill_host

@@ -1,6 +1,8 @@
 """Elastic training in a requeued SLURM job: ``hpc-horovod sbatch --min-nodes 1 --requeue`` on
-the test cluster's two hosts (conftest.py), requeued with ``scontrol requeue`` in the middle of
-an epoch. While the job waits to run again its last commit stays in
+the test cluster's two hosts (conftest.py), requeued in the middle of an epoch: from outside
+(``scontrol requeue``: SLURM ends the launcher and its step) or by the ranks themselves on
+SLURM's signal (``requeue_on_signal``: they end well, the launcher keeps the commit). While the
+job waits to run again its last commit stays in
 ``$SLURM_SUBMIT_DIR/.hpc_horovod/elastic/$SLURM_JOB_ID``; the requeued run resumes from it, so
 each epoch's samples are committed exactly once over both runs, every rank ends with the same
 parameters, the directory is removed at the good end and no step is left in squeue."""
@@ -32,7 +34,8 @@ def _wait_for(condition, what: str, slurm, job: str, out: Path, timeout: float =
         time.sleep(0.2)
 
 
-def test_a_requeued_job_resumes_from_its_last_commit(slurm, tmp_path):
+@pytest.mark.parametrize("how", ["scontrol requeue", "requeue_on_signal"])
+def test_a_requeued_job_resumes_from_its_last_commit(slurm, tmp_path, how):
     pytest.importorskip("torch")
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -40,7 +43,8 @@ def test_a_requeued_job_resumes_from_its_last_commit(slurm, tmp_path):
                       "--ntasks-per-node", "1", "--gpus-per-node", "0", "--partition", "debug",
                       "--time", "00:10:00", "--min-nodes", "1", "--requeue", "--job-name",
                       "elastic-requeue", "--modules", "", "--script", "job.sh", "--submit", "--",
-                      sys.executable, str(WORKER), str(logs), "--kill-size", "2", "--hold"],
+                      sys.executable, str(WORKER), str(logs), "--kill-size", "2", "--hold",
+                      *(["--stop-on-signal"] if how == "requeue_on_signal" else [])],
                      cwd=tmp_path, check=True)
     job = proc.stdout.strip()
     assert job.isdigit(), proc.stdout
@@ -54,7 +58,10 @@ def test_a_requeued_job_resumes_from_its_last_commit(slurm, tmp_path):
     _wait_for(lambda: len(list(logs.glob("held-*"))) == 2, "both ranks held", slurm, job, out)
     assert commit.exists()
     (logs / "killed").write_text(repr(time.time()))
-    slurm.run(["scontrol", "requeue", job], check=True)
+    if how == "scontrol requeue":
+        slurm.run(["scontrol", "requeue", job], check=True)
+    else:  # SLURM's signal before the time limit: the ranks stop, rank 0 requeues the job
+        slurm.run(["scancel", "--signal=USR2", job], check=True)
     _wait_for(lambda: slurm.job_state(job)["JobState"] == "PENDING", "the job pending again",
               slurm, job, out)
     assert commit.exists(), "the commit of a requeued job must stay for its next run"
@@ -65,7 +72,7 @@ def test_a_requeued_job_resumes_from_its_last_commit(slurm, tmp_path):
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", f"{state}\n{text}"
     again = re.search(r"training again ([\d.]+) s after the kill, at 2 ranks", text)
     assert again, text
-    print(f"\nrequeued: training again {again.group(1)} s after scontrol requeue")
+    print(f"\nrequeued by {how}: training again {again.group(1)} s after the requeue")
     assert "restarting" not in text, text  # a requeue is no elastic reset
     lines = [line for path in logs.glob("committed-*") for line in path.read_text().splitlines()]
     counts = Counter(tuple(map(int, line.split())) for line in lines)

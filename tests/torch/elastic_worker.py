@@ -8,7 +8,9 @@ after the restart, rank 0 prints how long it took to train again.
 
 With ``--hold``, every rank of the job's first run (``SLURM_RESTART_COUNT`` 0) writes
 ``LOG_DIR/held-<rank>`` at that point instead and sleeps until it is ended: a test requeues the
-job there and writes the time of the requeue to ``LOG_DIR/killed``.
+job there and writes the time of the requeue to ``LOG_DIR/killed``. With ``--stop-on-signal``
+as well, the held ranks wait for SIGUSR2 instead, and ``requeue_on_signal`` stops them at the
+next batch and requeues the job (each batch is committed already: nothing more to save).
 """
 
 import argparse
@@ -21,7 +23,7 @@ import time
 import torch
 
 import hpc_horovod.torch as hvd
-from hpc_horovod.slurm.requeue import restart_count
+from hpc_horovod.slurm.requeue import requeue_on_signal, restart_count
 
 parser = argparse.ArgumentParser()
 parser.add_argument("log_dir")
@@ -35,9 +37,12 @@ parser.add_argument("--kill-epoch", type=int, default=1)
 parser.add_argument("--kill-batch", type=int, default=1)
 parser.add_argument("--hold", action="store_true",
                     help="in the first run of a SLURM job, every rank sleeps at the kill point")
+parser.add_argument("--stop-on-signal", action="store_true",
+                    help="stop and requeue the job on SIGUSR2 (requeue_on_signal)")
 args = parser.parse_args()
 
 hvd.init()
+stopper = requeue_on_signal(lambda: None) if args.stop_on_signal else None
 torch.set_num_threads(1)
 torch.manual_seed(0)
 data = torch.randn(args.samples, 8)
@@ -63,8 +68,8 @@ def die_here(epoch: int, batch: int) -> bool:
         if restart_count() == 0:
             with open(os.path.join(args.log_dir, f"held-{hvd.rank()}"), "w") as fh:
                 fh.write(repr(time.time()))
-            while True:
-                time.sleep(1)
+            while stopper is None or not stopper.signalled:
+                time.sleep(0.1)
         return False
     if args.kill_host:
         return socket.gethostname() == args.kill_host
@@ -87,6 +92,8 @@ def train(state):
                 with open(os.path.join(args.log_dir, "killed"), "w") as fh:
                     fh.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if stopper is not None and stopper.should_stop():
+                return
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(data[index]), target[index])
             loss.backward()
@@ -110,6 +117,9 @@ def _batches(sampler):
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
 state.register_reset_callbacks([on_reset])
 train(state)
+if stopper is not None and stopper.stopped:
+    print(f"rank {hvd.rank()}: stopped on the signal, job requeued", flush=True)
+    sys.exit(0)
 flat = torch.cat([p.detach().flatten() for p in model.parameters()])
 with open(os.path.join(args.log_dir, f"final-{hvd.rank()}"), "w") as fh:
     fh.write(" ".join(repr(v) for v in flat.tolist()))

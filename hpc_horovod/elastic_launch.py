@@ -13,9 +13,10 @@ would fail the same way).
 ``HOROVOD_ELASTIC_DIR`` must be seen by every node: by default
 ``$SLURM_SUBMIT_DIR/.hpc_horovod/elastic/$SLURM_JOB_ID`` inside a SLURM job (a requeued job
 resumes from the same commit), a new temporary directory otherwise. A default directory is
-removed once the training ended well, unless the run requeued its job (``requeue_on_signal``
-marks it): the next run of the job starts from it. One given by the user is left as it is.
-A requeue is no elastic reset: the next run counts its resets (``--reset-limit``) from zero.
+removed once the training ended well, unless the run requeued its job (``requeue_job``, which
+``requeue_on_signal`` calls, marks it): the next run of the job starts from it. One given by
+the user is left as it is. A requeue is no elastic reset: the next run counts its resets
+(``--reset-limit``) from zero.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ sees:
 * A rank ends with a record ``ranks/<rank>.json``: ``done`` (the script ended normally after
   the wrapper returned), ``restart`` (a peer was lost, or hosts were updated: the process exits
   with :data:`RESTART_EXIT`), or ``failed`` (an error of the script's own: no restart).
-* ``requeue_on_signal`` (:mod:`hpc_horovod.slurm.requeue`) writes ``REQUEUED_FILE`` once it
-  requeued the job: the ranks then end well, and the launcher keeps the directory for the
-  job's next run instead of removing it.
+* ``requeue_job`` (:mod:`hpc_horovod.slurm.requeue`, which ``requeue_on_signal`` calls) writes
+  ``REQUEUED_FILE`` once it requeued the job: the ranks then end well, and the launcher keeps
+  the directory for the job's next run instead of removing it.
 * The launcher reads the records once the attempt ended: ranks of the world without a record
   were lost. It restarts on what is left while at least ``--min-np`` ranks can run and
   ``--reset-limit`` allows.

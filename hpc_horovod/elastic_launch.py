@@ -13,7 +13,10 @@ would fail the same way).
 ``HOROVOD_ELASTIC_DIR`` must be seen by every node: by default
 ``$SLURM_SUBMIT_DIR/.hpc_horovod/elastic/$SLURM_JOB_ID`` inside a SLURM job (a requeued job
 resumes from the same commit), a new temporary directory otherwise. A default directory is
-removed once the training ended well; one given by the user is left as it is.
+removed once the training ended well, unless the run requeued its job (``requeue_job``, which
+``requeue_on_signal`` calls, marks it): the next run of the job starts from it. One given by
+the user is left as it is. A requeue is no elastic reset: the next run counts its resets
+(``--reset-limit``) from zero.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .common.elastic import COMMIT_FILE, RANKS_DIR, WORLD_FILE
+from .common.elastic import COMMIT_FILE, RANKS_DIR, REQUEUED_FILE, WORLD_FILE
 from .launch import Launch, _hosts, build_command, launcher_env
 
 #: how long the ranks may take to end after one of them asked for a restart (Horovod's
@@ -167,6 +170,7 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
     attempt = replace(launch, elastic=True, np=min(launch.np, elastic.max_np))
     lost_hosts: list[str] = []
     lost_count = resets = 0
+    (directory / REQUEUED_FILE).unlink(missing_ok=True)  # a mark of the job's previous run
 
     def stop(text: str, status: int) -> int:
         """The end of a training that did not finish: say why, and where its commit is."""
@@ -195,6 +199,10 @@ def run_elastic(launch: Launch, elastic: Elastic, extra_env=None, verbose: bool 
                         "training needs the training in a function decorated with "
                         "hvd.elastic.run", status)
         if not outcome.lost and len(outcome.with_status("done")) == len(outcome.hosts):
+            if (directory / REQUEUED_FILE).exists():
+                _say(f"the job was requeued: its next run resumes from the last commit, which "
+                     f"stays in {directory}")
+                return 0
             if owned:
                 shutil.rmtree(directory, ignore_errors=True)
             return 0

@@ -95,3 +95,47 @@ def test_horovodrun_parses_the_elastic_flags():
                                                  "--reset-limit", "3", "--elastic-timeout",
                                                  "60", "python", "x"])
     assert (args.min_np, args.max_np, args.reset_limit, args.elastic_timeout) == (2, 4, 3, 60)
+
+
+REQUEUING = """\
+import os, sys
+from pathlib import Path
+import hpc_horovod.torch as hvd
+from hpc_horovod.common.elastic import REQUEUED_FILE
+hvd.init()
+@hvd.elastic.run
+def train(state):
+    print("from epoch", state.epoch, flush=True)
+    while state.epoch < 4:
+        state.epoch += 1
+        state.commit()
+        if state.epoch == 2 and sys.argv[1] == "requeue":
+            if hvd.rank() == 0:  # what requeue_job marks once scontrol requeue succeeded
+                Path(os.environ["HOROVOD_ELASTIC_DIR"], REQUEUED_FILE).write_text("7\\n")
+            return
+train(hvd.elastic.ObjectState(epoch=0))
+"""
+
+
+@pytest.mark.mpi
+def test_a_run_that_requeued_its_job_keeps_the_commit_for_the_next_run(tmp_path):
+    """Ranks that stop because they requeued their job end well: the job's directory stays,
+    and the job's next run resumes from it, then removes it."""
+    script = tmp_path / "train.py"
+    script.write_text(REQUEUING)
+    env = mpi_env({"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path)})
+    directory = tmp_path / ".hpc_horovod" / "elastic" / "7"
+
+    def run(mode):
+        return subprocess.run([sys.executable, "-m", "hpc_horovod.cli", "run", "--no-srun",
+                               "--min-np", "1", "-np", "2", sys.executable, str(script), mode],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    first = run("requeue")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"the job was requeued: its next run resumes from the last commit, which stays in " \
+        f"{directory}" in first.stderr, first.stderr
+    assert (directory / "commit.pkl").exists() and (directory / "requeued").exists()
+    second = run("train")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.stdout.count("from epoch 2") == 2, second.stdout
+    assert not directory.exists(), "the directory of a job that ended well is removed"

@@ -15,6 +15,9 @@ sees:
 * A rank ends with a record ``ranks/<rank>.json``: ``done`` (the script ended normally after
   the wrapper returned), ``restart`` (a peer was lost, or hosts were updated: the process exits
   with :data:`RESTART_EXIT`), or ``failed`` (an error of the script's own: no restart).
+* ``requeue_job`` (:mod:`hpc_horovod.slurm.requeue`, which ``requeue_on_signal`` calls) writes
+  ``REQUEUED_FILE`` once it requeued the job: the ranks then end well, and the launcher keeps
+  the directory for the job's next run instead of removing it.
 * The launcher reads the records once the attempt ended: ranks of the world without a record
   were lost. It restarts on what is left while at least ``--min-np`` ranks can run and
   ``--reset-limit`` allows.
@@ -46,6 +49,9 @@ COMMIT_FILE = "commit.pkl"
 #: the records of the current attempt, in ``HOROVOD_ELASTIC_DIR``
 RANKS_DIR = "ranks"
 WORLD_FILE = "world.json"
+#: written to ``HOROVOD_ELASTIC_DIR`` once this run requeued its SLURM job: the directory is
+#: the next run's starting point, even when this run then ends well
+REQUEUED_FILE = "requeued"
 
 
 def elastic_dir() -> Path | None:

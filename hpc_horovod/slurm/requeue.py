@@ -32,6 +32,7 @@ import subprocess
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -85,13 +86,22 @@ def requeue_target(env: Mapping[str, str] | None = None) -> str:
 
 
 def requeue_job(env: Mapping[str, str] | None = None, timeout: float = 60) -> str:
-    """``scontrol requeue`` this job (or array task); returns the id requeued."""
+    """``scontrol requeue`` this job (or array task); returns the id requeued.
+
+    In elastic training (``HOROVOD_ELASTIC_DIR`` set) it then marks the directory as requeued,
+    so that the launcher keeps the last commit for the job's next run.
+    """
+    env = os.environ if env is None else env
     target = requeue_target(env)
     proc = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"scontrol requeue {target} failed: {proc.stderr.strip()} (the job "
                            "needs #SBATCH --requeue, and the site must allow requeueing)")
+    if env.get("HOROVOD_ELASTIC_DIR"):
+        from ..common.elastic import REQUEUED_FILE
+
+        (Path(env["HOROVOD_ELASTIC_DIR"]) / REQUEUED_FILE).write_text(target + "\n")
     return target
 
 

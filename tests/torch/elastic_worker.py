@@ -5,6 +5,12 @@ Every rank appends what its committed batches processed to ``LOG_DIR/committed-<
 (``epoch index`` lines) once ``state.commit()`` returned, and its final parameters' checksum to
 ``LOG_DIR/final-<rank>``. The killed rank writes the time of its death to ``LOG_DIR/killed``;
 after the restart, rank 0 prints how long it took to train again.
+
+With ``--hold``, every rank of the job's first run (``SLURM_RESTART_COUNT`` 0) writes
+``LOG_DIR/held-<rank>`` at that point instead and sleeps until it is ended: a test requeues the
+job there and writes the time of the requeue to ``LOG_DIR/killed``. With ``--stop-on-signal``
+as well, the held ranks wait for SIGUSR2 instead, and ``requeue_on_signal`` stops them at the
+next batch and requeues the job (each batch is committed already: nothing more to save).
 """
 
 import argparse
@@ -17,6 +23,7 @@ import time
 import torch
 
 import hpc_horovod.torch as hvd
+from hpc_horovod.slurm.requeue import requeue_on_signal, restart_count
 
 parser = argparse.ArgumentParser()
 parser.add_argument("log_dir")
@@ -28,9 +35,14 @@ parser.add_argument("--kill-size", type=int, default=3, help="only in a job of t
 parser.add_argument("--kill-host", default="", help="kill every rank of this host instead")
 parser.add_argument("--kill-epoch", type=int, default=1)
 parser.add_argument("--kill-batch", type=int, default=1)
+parser.add_argument("--hold", action="store_true",
+                    help="in the first run of a SLURM job, every rank sleeps at the kill point")
+parser.add_argument("--stop-on-signal", action="store_true",
+                    help="stop and requeue the job on SIGUSR2 (requeue_on_signal)")
 args = parser.parse_args()
 
 hvd.init()
+stopper = requeue_on_signal(lambda: None) if args.stop_on_signal else None
 torch.set_num_threads(1)
 torch.manual_seed(0)
 data = torch.randn(args.samples, 8)
@@ -51,6 +63,13 @@ def on_reset():
 
 def die_here(epoch: int, batch: int) -> bool:
     if (hvd.size(), epoch, batch) != (args.kill_size, args.kill_epoch, args.kill_batch):
+        return False
+    if args.hold:
+        if restart_count() == 0:
+            with open(os.path.join(args.log_dir, f"held-{hvd.rank()}"), "w") as fh:
+                fh.write(repr(time.time()))
+            while stopper is None or not stopper.signalled:
+                time.sleep(0.1)
         return False
     if args.kill_host:
         return socket.gethostname() == args.kill_host
@@ -73,6 +92,8 @@ def train(state):
                 with open(os.path.join(args.log_dir, "killed"), "w") as fh:
                     fh.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if stopper is not None and stopper.should_stop():
+                return
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(data[index]), target[index])
             loss.backward()
@@ -96,6 +117,9 @@ def _batches(sampler):
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
 state.register_reset_callbacks([on_reset])
 train(state)
+if stopper is not None and stopper.stopped:
+    print(f"rank {hvd.rank()}: stopped on the signal, job requeued", flush=True)
+    sys.exit(0)
 flat = torch.cat([p.detach().flatten() for p in model.parameters()])
 with open(os.path.join(args.log_dir, f"final-{hvd.rank()}"), "w") as fh:
     fh.write(" ".join(repr(v) for v in flat.tolist()))

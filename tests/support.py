@@ -103,6 +103,23 @@ def mpi_env(extra: dict | None = None) -> dict:
     return env
 
 
+def native_or_skip():
+    """hpc_horovod._native, for a test module that needs it: its module is skipped where no
+    compiler could build it, and fails where one could but it was not built."""
+    import shutil
+
+    try:
+        from hpc_horovod import _native
+    except ImportError:
+        if shutil.which("mpicc"):
+            pytest.fail("hpc_horovod._native is not built although mpicc is here: run "
+                        "`pip install -e .` or `python setup.py build_ext --inplace`",
+                        pytrace=False)
+        pytest.skip("no mpicc: the native extension cannot be built on this machine",
+                    allow_module_level=True)
+    return _native
+
+
 def run_mpi(n: int, script, *args, timeout: float = 180, env: dict | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """Run ``script`` (a path) on ``n`` MPI ranks; return the finished process."""

@@ -3,22 +3,15 @@ bit for bit against numpy (and ml_dtypes for bfloat16) with every SIMD flavour t
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
+from support import native_or_skip
 
-try:
-    from hpc_horovod import _native
-except ImportError:
-    if shutil.which("mpicc"):
-        pytest.fail("hpc_horovod._native is not built although mpicc is here: run "
-                    "`pip install -e .` or `python setup.py build_ext --inplace`", pytrace=False)
-    pytest.skip("no mpicc: the native extension cannot be built on this machine",
-                allow_module_level=True)
+_native = native_or_skip()
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)

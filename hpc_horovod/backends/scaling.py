@@ -10,15 +10,16 @@ import numpy as np
 from ..common.types import HALF_DTYPES
 
 
-def scale_into(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
-    """``dst = src * factor`` (a copy when ``factor`` is 1)."""
+def scale_into(src, factor: float, dst, xp=np) -> None:
+    """``dst = src * factor`` (a copy when ``factor`` is 1); ``xp``: the array module of
+    ``src`` and ``dst`` (cupy for device arrays, which take the same arithmetic)."""
     if factor == 1.0:
         dst[...] = src
     elif dst.dtype.kind == "f" or dst.dtype in HALF_DTYPES:
-        np.multiply(src, factor, out=dst, dtype=np.float32 if dst.dtype.itemsize < 4
+        xp.multiply(src, factor, out=dst, dtype=np.float32 if dst.dtype.itemsize < 4
                     else dst.dtype, casting="unsafe")
     else:
-        np.multiply(src, factor, out=dst, casting="unsafe")
+        xp.multiply(src, factor, out=dst, casting="unsafe")
 
 
 def scale_inplace(buf: np.ndarray, factor: float) -> None:

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from .fusion import wire_dtype
+from ..backends.scaling import scale_into
+from .fusion import scale_factors, wire_dtype
 from .request import Request
 from .types import Average, Signature, Sum
 
@@ -78,17 +79,6 @@ def alltoall_one(backend, sig: Signature, req: Request) -> None:
     req.result = (out, recv_splits)
 
 
-def _scale_into(xp, src, factor: float, dst) -> None:
-    """``dst = src * factor``, computed in float32 for half precision (rounded once, as
-    Horovod's host math does) and in float64 for integers (truncated back)."""
-    if factor == 1.0:
-        dst[...] = src
-    elif dst.dtype.kind == "f" and dst.dtype.itemsize < 4:
-        xp.multiply(src, factor, out=dst, dtype=np.float32, casting="unsafe")
-    else:
-        xp.multiply(src, factor, out=dst, casting="unsafe")
-
-
 def reducescatter_one(backend, sig: Signature, req: Request) -> None:
     """Reduce then scatter along dim 0; with uneven sizes the first ranks get one more row."""
     tensor = req.tensor
@@ -100,15 +90,14 @@ def reducescatter_one(backend, sig: Signature, req: Request) -> None:
     dtype = tensor.dtype
     xp = array_module(sig)
     wire = wire_dtype(dtype, sig.op, sig.device)
-    # Horovod's order: prescale each rank's values, sum, then postscale (and 1/size)
-    post = sig.postscale / size if sig.op == Average else sig.postscale
+    pre, post = scale_factors(sig, size)  # Horovod's order, as an allreduce's
     send = xp.empty(tensor.size, dtype=wire)
-    _scale_into(xp, tensor.reshape(-1), sig.prescale, send)
+    scale_into(tensor.reshape(-1), pre, send, xp)
     recv = xp.empty(rows[backend.rank] * row, dtype=wire)
     op = Sum if sig.op == Average else sig.op
     backend.reduce_scatter(send, recv, [r * row for r in rows], op)
     if post != 1.0:
-        _scale_into(xp, recv, post, recv)
+        scale_into(recv, post, recv, xp)
     req.result = recv.astype(dtype, copy=False).reshape((rows[backend.rank],) + tensor.shape[1:])
 
 

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import hostlist
+
 from .common.elastic import COMMIT_FILE, RANKS_DIR, REQUEUED_FILE, WORLD_FILE
 from .launch import Launch, _hosts, build_command, launcher_env
 
@@ -112,13 +114,9 @@ def elastic_directory(launch: Launch, env) -> tuple[Path, bool]:
 
 
 def allocation_nodes(env) -> list[str]:
-    """The nodes of this SLURM allocation (``scontrol show hostnames``)."""
+    """The nodes of this SLURM allocation, expanded as topology.py expands a step's."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                          text=True, timeout=60)
-    if proc.returncode != 0:
-        raise RuntimeError(f"scontrol show hostnames {nodelist} failed: {proc.stderr.strip()}")
-    return proc.stdout.split()
+    return hostlist.expand_hostlist(nodelist) if nodelist else []
 
 
 def read_outcome(directory: Path) -> Outcome | None:

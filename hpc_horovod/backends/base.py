@@ -1,7 +1,7 @@
 """What the engine asks of a backend: one communicator of one process set.
 
 Every backend (``single``, ``mpi``, ``hierarchical`` for host buffers; ``nccl`` for device
-buffers) subclasses :class:`Backend`, which names every method the engine, ``fusion`` and
+buffers) subclasses :class:`Backend`, which names every method the engine, ``execution`` and
 ``collectives`` call. A method a backend does not override raises
 ``NotImplementedError("<backend> does not support <op>")``: an op is either complete in a
 backend or refused by it, never half done. :func:`hpc_horovod.backends.compose` puts one host
@@ -56,7 +56,7 @@ class Backend:
         """Over every rank's ``buf`` (contiguous), in place; or, with ``send`` (of ``buf``'s
         shape and dtype), from ``send`` into ``buf``. Each rank's values are multiplied by
         ``prescale`` before the reduction and the result by ``postscale`` (Horovod's order;
-        ``common.fusion.scale_factors`` computes both)."""
+        ``common.collectives.scale_factors`` computes both)."""
         self._unsupported("allreduce")
 
     def allgatherv(self, send, recv, counts) -> None:

@@ -1,4 +1,6 @@
-"""Execution of the agreed non-allreduce collectives on one rank's share (None when joined)."""
+"""The agreed collectives other than a fused allreduce, on one rank's share (None when joined),
+and the reduction rules every reduction shares: the scale factors in Horovod's order and the
+dtype on the wire."""
 
 from __future__ import annotations
 
@@ -7,9 +9,33 @@ import math
 import numpy as np
 
 from ..backends.scaling import scale_into
-from .fusion import scale_factors, wire_dtype
 from .request import Request
-from .types import Average, Signature, Sum
+from .types import HALF_DTYPES, Average, Signature, Sum
+
+try:  # optional native fast path (src_native/); the package works without it
+    from .. import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+
+def scale_factors(sig: Signature, size: int) -> tuple[float, float]:
+    """(factor applied while packing, factor applied after the reduction), in Horovod's order:
+    each rank's values are prescaled, summed, then postscaled and, for Average, divided by the
+    size. Results are then Horovod's to the bit (a sum of equal values divided afterwards is
+    exact where values divided first are not); the division rides on the copy out of the fusion
+    buffer, or on the one pass an in-place tensor needs anyway."""
+    return sig.prescale, sig.postscale / size if sig.op == Average else sig.postscale
+
+
+
+def wire_dtype(dtype: np.dtype, op: int, device: bool = False) -> np.dtype:
+    """The dtype that goes on the wire: half types are widened unless a native op exists
+    (the extension's MPI op on the host; NCCL reduces float16 itself on the GPU)."""
+    if dtype in HALF_DTYPES and not device:
+        if _native is not None and op in (Sum, Average) and _native.has_half_sum():
+            return dtype
+        return np.dtype(np.float32)
+    return dtype
 
 
 def _rows(shape: tuple[int, ...]) -> int:

@@ -23,7 +23,7 @@ from hpc_horovod.backends import waiting
 from hpc_horovod.common.config import Settings
 from hpc_horovod.common.engine import Engine
 from hpc_horovod.common.errors import HorovodInternalError
-from hpc_horovod.common.fusion import _scale_into, device_scale_dtype
+from hpc_horovod.common.execution import _scale_into, device_scale_dtype
 from hpc_horovod.common.gpu_stream import on_device, pin_thread
 from hpc_horovod.common.request import Request, signature_of
 from hpc_horovod.common.types import Sum, bfloat16

@@ -18,7 +18,7 @@ from hpc_horovod.backends.nccl import mpi_wire_dtype
 from hpc_horovod.backends.single import SingleBackend
 from hpc_horovod.common import gpu_layout, gpu_probe, gpu_stream
 from hpc_horovod.common.collectives import adasum_host_input, adasum_one
-from hpc_horovod.common.fusion import laid_end_to_end
+from hpc_horovod.common.execution import laid_end_to_end
 from hpc_horovod.common.request import Request, signature_of
 from hpc_horovod.common.types import Adasum, Max, Min, Product, Sum, bfloat16
 
@@ -193,14 +193,14 @@ def test_the_nccl_backend_touches_no_device_until_its_first_device_collective():
 
 
 def test_the_unpack_kernel_copies_every_segment_to_its_output(tmp_path):
-    """The source of the kernel that copies a reduced fusion buffer out (``fusion.py``),
+    """The source of the kernel that copies a reduced fusion buffer out (``execution.py``),
     compiled for the CPU by the C compiler, with loops over blocks and threads standing in for
     the CUDA grid (a small grid, so that each thread strides over several elements). Checks
     its indexing only: empty segments, a dropped output (a joined rank's share), the last
     element. The CUDA build of the same source runs in tests/gpu."""
     import shutil
 
-    from hpc_horovod.common.fusion import _UNPACK_ITEMS, _UNPACK_SOURCE
+    from hpc_horovod.common.execution import _UNPACK_ITEMS, _UNPACK_SOURCE
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

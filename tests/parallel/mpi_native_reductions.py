@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import hpc_horovod as hvd
 from hpc_horovod.backends.mpi import MpiBackend
-from hpc_horovod.common import fusion
+from hpc_horovod.common import collectives
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -99,8 +99,9 @@ def test_backend() -> None:
 
 def test_api() -> None:
     hvd.init()
-    assert fusion.wire_dtype(F16, hvd.Sum) == F16 and fusion.wire_dtype(BF16, hvd.Average) == BF16
-    assert fusion.wire_dtype(F16, hvd.Max) == np.float32  # no native Max: widened
+    assert collectives.wire_dtype(F16, hvd.Sum) == F16
+    assert collectives.wire_dtype(BF16, hvd.Average) == BF16
+    assert collectives.wire_dtype(F16, hvd.Max) == np.float32  # no native Max: widened
     for dtype in (F16, BF16):
         xs = inputs(dtype, 4099, seed=11, specials=False)
         check_sum(hvd.allreduce(xs[RANK], op=hvd.Sum, name=f"sum.{dtype}"), xs, f"Sum {dtype}")

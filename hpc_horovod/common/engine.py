@@ -138,6 +138,9 @@ class Engine:
         self.on_wake = None
         #: called at the start of every cycle, on the thread that runs it
         self.on_cycle = None
+        #: called by :meth:`submit` after its check that the engine runs, before the request is
+        #: claimed and queued: a test's window on a stop that lands right there
+        self.on_submit = None
         self._cycles = 0
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
@@ -192,6 +195,8 @@ class Engine:
         """
         if self._state is not State.RUNNING:
             self._raise_if_stopped()
+        if self.on_submit is not None:
+            self.on_submit()
         self._claim(req)
         return self._push(req)
 

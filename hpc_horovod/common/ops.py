@@ -1,38 +1,29 @@
-"""Collectives on numpy arrays: the framework-neutral API, and what the bindings call with
-zero-copy array views of their tensors."""
+"""Collectives on numpy arrays: the framework-neutral API (``hpc_horovod.allreduce``, ...), a
+binding like the torch and TensorFlow ones over the builders of ``request.py`` and the engine;
+and what every binding shares around them: ``synchronous``, ``poll``, ``synchronize``, and the
+object collectives."""
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 
 import cloudpickle
 import numpy as np
 
 from . import basics
-from .basics import ProcessSet, global_process_set
-from .request import Request, control_signature, signature_of
-from .types import Average, Sum, check_dtype
-
-
-def resolve_op(op: int | None, average: bool | None) -> int:
-    """Horovod's rules for the deprecated ``average=`` argument."""
-    if average is not None:
-        if op is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of "
-                             "them.")
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
-
-
-def _ps_id(process_set: ProcessSet) -> int:
-    ps_id = process_set.process_set_id
-    if ps_id is None:
-        raise ValueError(f"{process_set} is not registered (was it removed?)")
-    return ps_id
+from .basics import global_process_set
+from .request import (
+    Request,
+    _ps_id,
+    allgather_request,
+    allreduce_request,
+    alltoall_request,
+    broadcast_request,
+    control_signature,
+    group_names,
+    reducescatter_request,
+)
 
 
 def _array(tensor, kind: str) -> np.ndarray:
@@ -59,23 +50,6 @@ def submit(requests: list[Request]) -> list[int]:
 
 def submit_one(request: Request) -> int:
     return basics.engine().submit(request)
-
-
-def _name(name: str | None, ps_id: int, kind: str) -> str:
-    return name if name is not None else basics.next_name(ps_id, kind)
-
-
-def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
-                      prescale_factor=1.0, postscale_factor=1.0,
-                      process_set=global_process_set, output=None) -> Request:
-    if op is None or average is not None:
-        op = resolve_op(op, average)
-    ps_id = process_set.process_set_id
-    if ps_id is None or name is None:
-        ps_id = _ps_id(process_set)
-        name = _name(name, ps_id, "allreduce")
-    sig = signature_of("allreduce", array, op, -1, prescale_factor, postscale_factor)
-    return Request(name, array, sig, ps_id, output)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -113,11 +87,6 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                         postscale_factor, process_set))
 
 
-def group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
-    base = _name(name, ps_id, f"grouped_{kind}")
-    return [f"{base}.{i}" for i in range(n)]
-
-
 def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> list[int]:
@@ -134,14 +103,6 @@ def grouped_allreduce(tensors: Sequence, average=None, name=None, op=None, presc
     handles = grouped_allreduce_async(tensors, average, name, op, prescale_factor,
                                       postscale_factor, process_set)
     return [synchronize(h) for h in handles]
-
-
-def allgather_request(array: np.ndarray, *, name=None, process_set=global_process_set):
-    if array.ndim == 0:
-        array = array.reshape(1)
-    ps_id = _ps_id(process_set)
-    return Request(_name(name, ps_id, "allgather"), array, signature_of("allgather", array),
-                   ps_id)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
@@ -165,14 +126,6 @@ def grouped_allgather_async(tensors: Sequence, name=None,
 @synchronous
 def grouped_allgather(tensors: Sequence, name=None, process_set=global_process_set):
     return [synchronize(h) for h in grouped_allgather_async(tensors, name, process_set)]
-
-
-def broadcast_request(array: np.ndarray, root_rank: int, *, name=None,
-                      process_set=global_process_set, output=None) -> Request:
-    """``root_rank`` is a global rank, as in Horovod; it must belong to ``process_set``."""
-    ps_id = _ps_id(process_set)
-    sig = signature_of("broadcast", array, root=process_set.rank_of(root_rank))
-    return Request(_name(name, ps_id, "broadcast"), array, sig, ps_id, output)
 
 
 def broadcast_async(tensor, root_rank: int, name=None, process_set=global_process_set) -> int:
@@ -201,28 +154,6 @@ def broadcast_(tensor, root_rank: int, name=None, process_set=global_process_set
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall_request(array: np.ndarray, splits=None, *, name=None,
-                     process_set=global_process_set) -> Request:
-    check_dtype(array.dtype, "alltoall")  # before the shape checks below
-    if array.ndim == 0:
-        array = array.reshape(1)
-    ps_id = _ps_id(process_set)
-    n = process_set.size()
-    if splits is not None:
-        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
-        if splits.size != n:
-            raise ValueError(f"alltoall: splits has {splits.size} entries but the process set "
-                             f"has {n} ranks")
-        if (splits < 0).any() or int(splits.sum()) != array.shape[0]:
-            raise ValueError(f"alltoall: splits {splits.tolist()} must be non-negative and sum "
-                             f"to the first dimension {array.shape[0]}")
-    elif array.shape[0] % n:
-        raise ValueError(f"alltoall: the first dimension ({array.shape[0]}) is not divisible "
-                         f"by the number of ranks ({n}); pass splits")
-    return Request(_name(name, ps_id, "alltoall"), array, signature_of("alltoall", array),
-                   ps_id, splits=splits)
-
-
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     return submit_one(alltoall_request(_array(tensor, "alltoall"), splits, name=name,
                                        process_set=process_set))
@@ -232,22 +163,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send ``splits[j]`` rows to rank j; returns ``(received, received_splits)``."""
     return synchronize(alltoall_async(tensor, splits, name, process_set))
-
-
-def reducescatter_request(array: np.ndarray, *, name=None, op=None,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0) -> Request:
-    op = Average if op is None else op
-    check_dtype(array.dtype, "reducescatter", op)
-    if array.ndim == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    from .types import Adasum
-
-    if op == Adasum:
-        raise ValueError("reducescatter does not support Adasum")
-    ps_id = _ps_id(process_set)
-    sig = signature_of("reducescatter", array, op, -1, prescale_factor, postscale_factor)
-    return Request(_name(name, ps_id, "reducescatter"), array, sig, ps_id)
 
 
 def reducescatter_async(tensor, name=None, op=None, process_set=global_process_set,

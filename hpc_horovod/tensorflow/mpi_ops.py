@@ -47,6 +47,7 @@ from ..common import basics
 from ..common import ops as core
 from ..common.basics import ProcessSet, global_process_set
 from ..common.errors import HorovodInternalError
+from ..common.request import broadcast_request, resolve_op
 from ..common.types import OP_NAMES, Average, Sum, check_dtype
 from . import staging
 from .compression import Compression
@@ -306,7 +307,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     through host memory for now; pin one GPU per process with
     ``tf.config.set_visible_devices(gpus[hvd.local_rank()], 'GPU')``.
     """
-    op = core.resolve_op(op, average)
+    op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         with tf.device(device_sparse):
             return _allreduce_sparse([tensor], op, prescale_factor, postscale_factor, name,
@@ -328,7 +329,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     tensors = list(tensors)
     if not tensors:
         return tensors
-    op = core.resolve_op(op, average)
+    op = resolve_op(op, average)
     out: list = [None] * len(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
@@ -417,7 +418,7 @@ def _broadcast_runner(root_rank, process_set) -> Runner:
         base = name if name is not None else basics.next_name(process_set.process_set_id,
                                                               "broadcast")
         names = [base] if len(arrays) == 1 else [f"{base}.{i}" for i in range(len(arrays))]
-        handles = core.submit([core.broadcast_request(np.asarray(a), root_rank, name=n,
+        handles = core.submit([broadcast_request(np.asarray(a), root_rank, name=n,
                                                       process_set=process_set)
                                for a, n in zip(arrays, names)])
         return [core.synchronize(h) for h in handles]

@@ -16,6 +16,14 @@ import torch
 from ..common import basics, ops
 from ..common.basics import ProcessSet, global_process_set
 from ..common.ops import synchronous
+from ..common.request import (
+    allgather_request,
+    allreduce_request,
+    alltoall_request,
+    broadcast_request,
+    group_names,
+    reducescatter_request,
+)
 from ..common.types import Adasum, Average, Sum
 from .adapter import engine_array, to_torch, write_back
 from .compression import Compression
@@ -50,14 +58,14 @@ def _submit(requests: list) -> list[int]:
         event = ready_event(device)
         for req in requests:
             req.ready_event = event
-    return ops.submit(requests)
+    return basics.engine().enqueue(requests)
 
 
 def _submit_one(req) -> int:
     """:func:`_submit` of one request, the path every gradient takes."""
     if req.signature.device:
         return _submit([req])[0]
-    return ops.submit_one(req)
+    return basics.engine().submit(req)
 
 
 def _result_on(tensor: torch.Tensor) -> Callable[[list], torch.Tensor]:
@@ -103,7 +111,7 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
-    req = ops.allreduce_request(engine_array(tensor, "allreduce"),
+    req = allreduce_request(engine_array(tensor, "allreduce"),
                                 name=_op_name("allreduce", name), op=op, average=average,
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set)
@@ -115,7 +123,7 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    req = ops.allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
+    req = allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 output=array)
@@ -165,8 +173,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Start one allreduce for a list of tensors (reduced together); one handle for the list."""
     tensors = _nonempty(tensors, "grouped_allreduce")
-    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allreduce")
-    reqs = [ops.allreduce_request(engine_array(t, "grouped_allreduce"), name=n,
+    names = group_names(name, len(tensors), process_set.process_set_id, "allreduce")
+    reqs = [allreduce_request(engine_array(t, "grouped_allreduce"), name=n,
                                   process_set=process_set,
                                   **_reduction(op, average, prescale_factor, postscale_factor))
             for t, n in zip(tensors, names)]
@@ -180,11 +188,11 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
                              postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     tensors = _nonempty(tensors, "grouped_allreduce_")
-    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allreduce")
+    names = group_names(name, len(tensors), process_set.process_set_id, "allreduce")
     reqs = []
     for tensor, tensor_name in zip(tensors, names):
         array = engine_array(tensor, "grouped_allreduce_", inplace=True)
-        reqs.append(ops.allreduce_request(array, name=tensor_name, process_set=process_set,
+        reqs.append(allreduce_request(array, name=tensor_name, process_set=process_set,
                                           output=array,
                                           **_reduction(op, average, prescale_factor,
                                                     postscale_factor)))
@@ -261,9 +269,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
                                                           "sparse_allreduce")
     indices = engine_array(coalesced.indices().t().contiguous(), "sparse_allreduce_async")
     values = engine_array(coalesced.values(), "sparse_allreduce_async")
-    reqs = [ops.allgather_request(indices, name=f"allgather.{base}.indices",
+    reqs = [allgather_request(indices, name=f"allgather.{base}.indices",
                                   process_set=process_set),
-            ops.allgather_request(values, name=f"allgather.{base}.values",
+            allgather_request(values, name=f"allgather.{base}.values",
                                   process_set=process_set)]
     device, shape = tensor.device, tensor.shape
 
@@ -283,7 +291,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    req = ops.allgather_request(engine_array(tensor, "allgather"), name=_op_name("allgather", name),
+    req = allgather_request(engine_array(tensor, "allgather"), name=_op_name("allgather", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
@@ -322,8 +330,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     tensors = _nonempty(tensors, "grouped_allgather")
-    names = ops.group_names(name, len(tensors), process_set.process_set_id, "allgather")
-    reqs = [ops.allgather_request(engine_array(t, "grouped_allgather"), name=n,
+    names = group_names(name, len(tensors), process_set.process_set_id, "allgather")
+    reqs = [allgather_request(engine_array(t, "grouped_allgather"), name=n,
                                   process_set=process_set) for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
     return _register(_submit(reqs),
@@ -363,7 +371,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of ``root_rank``'s tensor (``tensor`` is not modified)."""
-    req = ops.broadcast_request(engine_array(tensor, "broadcast"), root_rank,
+    req = broadcast_request(engine_array(tensor, "broadcast"), root_rank,
                                 name=_op_name("broadcast", name),
                                 process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
@@ -373,7 +381,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place broadcast into ``tensor``."""
     array = engine_array(tensor, "broadcast_", inplace=True)
-    req = ops.broadcast_request(array, root_rank, name=_op_name("broadcast", name),
+    req = broadcast_request(array, root_rank, name=_op_name("broadcast", name),
                                 process_set=process_set,
                                 output=array)
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
@@ -416,7 +424,7 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    req = ops.alltoall_request(engine_array(tensor, "alltoall"), splits,
+    req = alltoall_request(engine_array(tensor, "alltoall"), splits,
                                name=_op_name("alltoall", name),
                                process_set=process_set)
     device = tensor.device
@@ -467,7 +475,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
     """Start a reduction whose result rows are split over the ranks (first ranks get one more
     row when dim 0 does not divide)."""
     _check_reducescatter_op(op)
-    req = ops.reducescatter_request(engine_array(tensor, "reducescatter"),
+    req = reducescatter_request(engine_array(tensor, "reducescatter"),
                                     name=_op_name("reducescatter", name), op=op,
                                     process_set=process_set, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor)
@@ -520,8 +528,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 postscale_factor: float = 1.0) -> int:
     tensors = _nonempty(tensors, "grouped_reducescatter")
     _check_reducescatter_op(op)
-    names = ops.group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
-    reqs = [ops.reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
+    names = group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
+    reqs = [reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
                                       process_set=process_set, prescale_factor=prescale_factor,
                                       postscale_factor=postscale_factor)
             for t, n in zip(tensors, names)]

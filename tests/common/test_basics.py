@@ -12,7 +12,7 @@ import pytest
 from support import leave_launchers
 
 import hpc_horovod as hvd
-from hpc_horovod.common import basics, ops
+from hpc_horovod.common import basics, request
 from hpc_horovod.common.errors import NOT_INITIALIZED, HorovodInternalError
 
 # -- before init, after shutdown ------------------------------------------------------------------
@@ -144,7 +144,8 @@ def test_submissions_racing_a_shutdown_all_complete(single):
         go.wait()
         for i in range(100_000):
             try:
-                handle = engine.submit(ops.allreduce_request(x, name=f"race.{t}.{i}", op=hvd.Sum))
+                req = request.allreduce_request(x, name=f"race.{t}.{i}", op=hvd.Sum)
+                handle = engine.submit(req)
             except ValueError:
                 refused.append(t)
                 return
@@ -165,6 +166,10 @@ def test_submissions_racing_a_shutdown_all_complete(single):
     assert ok and all(req.result is not None for req in ok)
     # The narrow case, forced: a submitter that passed the "still running" check, then lost the
     # GIL until the engine had stopped and drained its queue.
-    late = ops.allreduce_request(x, name="late", op=hvd.Sum)
-    engine._push(late)
+    hvd.init()
+    engine = basics.engine()
+    engine.on_submit = hvd.shutdown
+    late = request.allreduce_request(x, name="late", op=hvd.Sum)
+    engine.submit(late)
+    assert engine.stopped
     assert late.done and isinstance(late.error, HorovodInternalError)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hpc_horovod as hvd
-from hpc_horovod.common import basics, ops
+from hpc_horovod.common import basics, ops, request
 from hpc_horovod.common.types import SUPPORTED_DTYPES, bfloat16
 
 NUMERIC = [d for d in SUPPORTED_DTYPES if d != np.bool_]
@@ -171,8 +171,8 @@ def test_duplicate_name_in_flight_is_a_value_error(single):
 
 def test_duplicate_name_within_one_submission_is_a_value_error(single):
     with pytest.raises(ValueError, match="same name"):
-        ops.submit([ops.allreduce_request(np.ones(2), name="x"),
-                    ops.allreduce_request(np.zeros(2), name="x")])
+        ops.submit([request.allreduce_request(np.ones(2), name="x"),
+                    request.allreduce_request(np.zeros(2), name="x")])
 
 
 def test_handles(single):
@@ -291,22 +291,22 @@ def test_many_unnamed_ops_in_flight(single):
 
 # -- the requests ops.py builds -------------------------------------------------------------------
 def test_automatic_names_count_per_kind(single):
-    first = ops.allreduce_request(np.ones(2))
-    second = ops.allreduce_request(np.ones(2))
-    gathered = ops.allgather_request(np.ones(2))
+    first = request.allreduce_request(np.ones(2))
+    second = request.allreduce_request(np.ones(2))
+    gathered = request.allgather_request(np.ones(2))
     assert (first.name, second.name) == ("allreduce.noname.0", "allreduce.noname.1")
     assert gathered.name == "allgather.noname.0"
-    assert ops.allreduce_request(np.ones(2), name="w").name == "w"
+    assert request.allreduce_request(np.ones(2), name="w").name == "w"
 
 
 def test_grouped_names_number_the_members(single):
-    assert ops.group_names("grads", 3, 0, "allreduce") == ["grads.0", "grads.1", "grads.2"]
-    assert ops.group_names(None, 2, 0, "allreduce") == ["grouped_allreduce.noname.0.0",
+    assert request.group_names("grads", 3, 0, "allreduce") == ["grads.0", "grads.1", "grads.2"]
+    assert request.group_names(None, 2, 0, "allreduce") == ["grouped_allreduce.noname.0.0",
                                                         "grouped_allreduce.noname.0.1"]
 
 
 def test_a_scalar_allgather_request_is_a_vector(single):
-    req = ops.allgather_request(np.array(5.0))
+    req = request.allgather_request(np.array(5.0))
     assert req.tensor.shape == (1,) and req.signature.shape == (-1,)
 
 

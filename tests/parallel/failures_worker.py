@@ -113,12 +113,12 @@ elif scenario == "early_exit":
             raise AssertionError("an allreduce completed without rank 0")
 
 elif scenario == "local_failure":
-    from hpc_horovod.common import ops
+    from hpc_horovod.common import ops, request
 
     buf = np.zeros(4)
     if RANK == LAST:
         buf.flags.writeable = False  # the receiving side cannot write its result
-    (handle,) = ops.submit([ops.broadcast_request(buf, 0, name="bad.buffer", output=buf)])
+    (handle,) = ops.submit([request.broadcast_request(buf, 0, name="bad.buffer", output=buf)])
     deadline = time.monotonic() + 4
     while not hvd.poll(handle):
         if time.monotonic() > deadline:

@@ -37,7 +37,7 @@ SIZES = {"below": hierarchical.MPI_BELOW_BYTES // 2 - 12,
 hvd.init()
 torch.set_num_threads(1)
 RANK, SIZE = hvd.rank(), hvd.size()
-BACKEND = basics.engine()._sets[0].backend
+BACKEND = basics.engine().backend
 saved: dict[str, np.ndarray] = {}
 
 

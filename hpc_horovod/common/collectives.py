@@ -89,7 +89,7 @@ def alltoall_one(backend, sig: Signature, req: Request) -> None:
     tensor = req.tensor
     size = backend.size
     d0 = tensor.shape[0] if tensor.ndim else 0
-    if req.splits is None:  # ops.alltoall_request checked that the ranks divide d0
+    if req.splits is None:  # request.alltoall_request checked that the ranks divide d0
         splits = np.full(size, d0 // size, dtype=np.int64)
     else:
         splits = np.asarray(req.splits, dtype=np.int64).reshape(-1)

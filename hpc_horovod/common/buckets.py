@@ -1,6 +1,6 @@
 """Gradient buckets, one module for torch and TensorFlow: which gradients share a bucket
-(:func:`assign`), how a list splits into groups (:func:`split`), the bucket size knob (parsed by
-the settings), and the memory a bucket lives in (:func:`shared_memory`: the node's
+(:func:`assign`), how a list splits into groups (:func:`split`), the bucket size knob (from
+the runtime's settings), and the memory a bucket lives in (:func:`shared_memory`: the node's
 shared window when the host backend has one, so that the allreduce reads it where it lies).
 
 Assignment is torch DDP's: gradients in the order backward produces them, each appended to the
@@ -16,16 +16,14 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from . import basics
-from .config import Settings
 
 #: the first bucket of each kind closes at this many bytes (as DDP's first bucket)
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 def bucket_bytes() -> int:
-    """``HOROVOD_BUCKET_BYTES``, parsed by the settings, read when an optimizer or a tape is
-    built (as ``Settings.bucket_bytes`` documents)."""
-    return Settings.from_env().bucket_bytes
+    """``HOROVOD_BUCKET_BYTES`` from the settings of the running ``init``, as every knob."""
+    return basics.settings().bucket_bytes
 
 
 def assign(items: Sequence[tuple[Hashable, int | None]], cap: float,

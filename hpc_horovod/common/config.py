@@ -36,8 +36,7 @@ class Settings:
     #: node's shared window (half staging, half gradient buckets)
     fusion_threshold: int = 128 * 1024 * 1024
     #: bytes of gradients the bindings' DistributedOptimizer / tape reduce as one flat tensor
-    #: (torch DDP's bucket_cap_mb); 0: every gradient on its own. Read when an optimizer or a
-    #: tape is built.
+    #: (torch DDP's bucket_cap_mb); 0: every gradient on its own.
     bucket_bytes: int = 25 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024

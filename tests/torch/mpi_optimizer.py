@@ -119,9 +119,12 @@ def test_equivalence(what, make_opt, kwargs, atol):
 
 def bucketed_run(cap, set_to_none_steps=(0,), compression=hvd.Compression.none):
     """Train a model of two dtypes and a channels_last convolution with buckets of ``cap``
-    bytes; return the model, the optimizer and what the checks found on the way."""
+    bytes (``HOROVOD_BUCKET_BYTES``, read at ``init``); return the model, the optimizer and
+    what the checks found on the way."""
+    hvd.shutdown()
     os.environ["HOROVOD_BUCKET_BYTES"] = str(cap)
     try:
+        hvd.init()
         torch.manual_seed(0)
         conv = nn.Conv2d(2, 3, 3).to(memory_format=torch.channels_last)
         head, wide = nn.Linear(12, 4), nn.Linear(4, 2).double()
@@ -152,6 +155,13 @@ def bucketed_run(cap, set_to_none_steps=(0,), compression=hvd.Compression.none):
     return params, opt, found
 
 
+@pytest.fixture
+def default_knobs_after():
+    """bucketed_run's init read its own HOROVOD_BUCKET_BYTES: the next check starts afresh."""
+    yield
+    hvd.shutdown()
+
+
 def same(p, q, rtol=1e-6):
     """Equal bits on 2 ranks (a sum of two does not depend on the order), close on more (the
     engine may add three ranks' values in any order)."""
@@ -162,7 +172,7 @@ CAPS = (0, 200, 25 * 1024 * 1024)
 
 
 @pytest.mark.parametrize("cap", CAPS)
-def test_bucket_layout(cap):
+def test_bucket_layout(cap, default_knobs_after):
     """Buckets: reverse parameter order, one dtype each, one request each, gradients are views
     of the flat tensor (kept across steps when zero_grad keeps them)."""
     params, opt, found = bucketed_run(cap)
@@ -184,7 +194,7 @@ def test_bucket_layout(cap):
     assert conv_weight.grad.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_bucket_size_does_not_change_the_result():
+def test_bucket_size_does_not_change_the_result(default_knobs_after):
     results = {cap: bucketed_run(cap)[0] for cap in CAPS}
     for cap in CAPS[1:]:
         for p, q in zip(results[cap], results[0]):
@@ -192,7 +202,7 @@ def test_bucket_size_does_not_change_the_result():
     assert_identical_on_all_ranks(nn.ParameterList(results[200]), "buckets")
 
 
-def test_buckets_with_set_to_none():
+def test_buckets_with_set_to_none(default_knobs_after):
     """set_to_none every step: zero_grad rebinds each gradient to a zeroed view of its bucket
     (no copy in the next step, as with set_to_none=False), same result."""
     kept = bucketed_run(200)[0]
@@ -205,7 +215,7 @@ def test_buckets_with_set_to_none():
     assert all(same(p, q) for p, q in zip(params, kept))
 
 
-def test_buckets_with_fp16_compression():
+def test_buckets_with_fp16_compression(default_knobs_after):
     """fp16 compression per bucket: as per tensor (float16 sums are rounded where the engine's
     path for the group's size scales them, so not to the bit)."""
     compressed = [bucketed_run(cap, compression=hvd.Compression.fp16)[0] for cap in (0, 200)]
@@ -213,10 +223,10 @@ def test_buckets_with_fp16_compression():
 
 
 def test_bad_bucket_size_is_named(monkeypatch):
+    hvd.shutdown()
     monkeypatch.setenv("HOROVOD_BUCKET_BYTES", "25MB")
-    params = make_model().parameters()
     with pytest.raises(ValueError, match=r"HOROVOD_BUCKET_BYTES='25MB' is not a valid int"):
-        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1))
+        hvd.init()
 
 
 def test_channels_last():

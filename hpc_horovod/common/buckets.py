@@ -57,8 +57,5 @@ def split(items: list, n: int) -> list[list]:
 def shared_memory(process_set_id: int, nbytes: int) -> np.ndarray | None:
     """``nbytes`` (uint8) of the process set's host backend's shared window, which its
     allreduce reduces where it lies; None when the backend has none (or none left)."""
-    engine = basics.engine()
-    state = engine._sets.get(process_set_id)
-    if state is None:
-        return None
-    return state.backend.bucket_memory(nbytes)
+    backend = basics.engine().process_set_backend(process_set_id)
+    return None if backend is None else backend.bucket_memory(nbytes)

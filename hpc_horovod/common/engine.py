@@ -165,6 +165,12 @@ class Engine:
         except KeyError:
             raise ValueError(f"process set {ps_id} does not exist (or was removed)") from None
 
+    def process_set_backend(self, ps_id: int):
+        """The backend of process set ``ps_id`` on this rank; None where this rank is not a
+        member (or the set does not exist)."""
+        state = self._sets.get(ps_id)
+        return None if state is None else state.backend
+
     def join_epoch(self, ps_id: int) -> int:
         """How many joins completed on the set: the same on every member once its join
         returned, whatever collectives each rank submitted before (see basics.next_name)."""

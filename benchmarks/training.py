@@ -21,8 +21,9 @@ round to round, so that load from elsewhere hits them alike):
 * torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
 * the limit: the plain optimizer in every process at once, with no communication (the
   processes only meet once before timing);
-* for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step,
-  and ``horovod.torch`` when Horovod is importable (skipped, and said so, when not).
+* ``horovod.torch`` when Horovod is importable (skipped, and said so, when not: ``make bench
+  HOROVOD=DIR`` puts a Horovod built in DIR on the path);
+* for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.
 
 A job's rate is its steps per second: timed steps over the time of its slowest process.
 Scaling efficiency is a configuration's rate over the limit's in the same round; ratios are
@@ -145,12 +146,11 @@ def torch_worker(args, module: str) -> None:
     exposed_ms = statistics.median(exposed[args.warmup:]) * 1e3
     rates = hvd.allgather(torch.tensor([[rate, exposed_ms]], dtype=torch.float64)).tolist()
     if hvd.rank() == 0:
-        try:
+        backend = None
+        if hvd.__name__.startswith("hpc_horovod"):  # the host backend that ran
             from hpc_horovod.common import basics
 
-            backend = basics.engine()._sets[0].backend.name  # the host backend that ran
-        except (ImportError, AttributeError, KeyError):
-            backend = None
+            backend = getattr(getattr(basics.engine(), "backend", None), "name", None)
         _report(rates=[r[0] for r in rates], exposed_ms=[r[1] for r in rates],
                 module=hvd.__file__, backend=backend)
     hvd.shutdown()
@@ -416,8 +416,8 @@ def main(argv=None) -> None:
         only_cnn["hpc_horovod.tensorflow"] = _launched("tf")
     skipped = {}
     why = _importable("horovod.torch")
-    if why is None:
-        only_cnn["horovod.torch"] = _launched("horovod")
+    if why is None:  # Open MPI's yield, as Horovod's own benchmarks on shared cores
+        runners["horovod.torch"] = _launched("horovod", env={"OMPI_MCA_mpi_yield_when_idle": "1"})
     else:
         skipped["horovod.torch"] = why
     plan = [(model, name, runner) for model in models

@@ -270,12 +270,9 @@ def _grouped_allreduce(tensors: list, name=None, op=Sum, prescale_factor=1.0,
     return list(forward(*tensors))
 
 
-def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, postscale_factor,
-                      name, process_set) -> list[tf.IndexedSlices]:
-    """tf.IndexedSlices are summed by gathering every rank's values and indices (one grouped
-    allgather for all of them); duplicate indices add up when the slices are applied. Average
-    divides the gathered values by the set size with TensorFlow's division (integer values
-    become floats)."""
+def _check_sparse(op, prescale_factor, postscale_factor) -> None:
+    """NotImplementedError for what an allreduce of tf.IndexedSlices cannot do (checked before
+    any other check of a group that holds some, as Horovod does)."""
     if op not in (Sum, Average):
         raise NotImplementedError(
             f"allreduce of tf.IndexedSlices supports op=Sum and op=Average (it is an allgather "
@@ -284,6 +281,15 @@ def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, posts
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise NotImplementedError("allreduce of tf.IndexedSlices does not take "
                                   "prescale_factor/postscale_factor; scale the values yourself")
+
+
+def _allreduce_sparse(slices: list[tf.IndexedSlices], op, prescale_factor, postscale_factor,
+                      name, process_set) -> list[tf.IndexedSlices]:
+    """tf.IndexedSlices are summed by gathering every rank's values and indices (one grouped
+    allgather for all of them); duplicate indices add up when the slices are applied. Average
+    divides the gathered values by the set size with TensorFlow's division (integer values
+    become floats)."""
+    _check_sparse(op, prescale_factor, postscale_factor)
     gathered = grouped_allgather([s.values for s in slices] + [s.indices for s in slices],
                                  name=name, process_set=process_set)
     out = []
@@ -333,6 +339,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     out: list = [None] * len(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        _check_sparse(op, prescale_factor, postscale_factor)
     if dense:
         with tf.device(device_dense):
             packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]

@@ -137,6 +137,10 @@ def test_error_types():
         expect(NotImplementedError, lambda op=op: hvd.allreduce(slices, op=op))
         expect(NotImplementedError,
                lambda op=op: hvd.grouped_allreduce([slices, tf.ones([2])], op=op))
+    # ... before the dense tensors' own checks (Adasum refuses integers with ValueError)
+    int_slices = tf.IndexedSlices(tf.ones([1, 3], tf.int32), tf.constant([RANK]))
+    expect(NotImplementedError,
+           lambda: hvd.grouped_allreduce([int_slices, tf.ones([3], tf.int32)], op=hvd.Adasum))
     expect(NotImplementedError, lambda: hvd.allreduce(slices, op=hvd.Sum, prescale_factor=0.5))
     expect(NotImplementedError, lambda: hvd.allreduce(slices, op=hvd.Sum, postscale_factor=2.0))
     hvd.barrier()

@@ -25,7 +25,11 @@ from .mpi_ops import _allreduce
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` with statistics over every rank of ``process_set``."""
 
-    def __init__(self, process_set: ProcessSet = global_process_set, **kwargs):
+    def __init__(self, process_set: ProcessSet = global_process_set, fused=False, **kwargs):
+        """``fused``: Horovod's argument, which Keras 3 no longer takes: False (the only value
+        Horovod accepts) is dropped; True or None raise ValueError."""
+        if fused in (True, None):
+            raise ValueError("SyncBatchNormalization does not support fused=True")
         if kwargs.get("synchronized"):
             raise ValueError("SyncBatchNormalization synchronizes through hpc_horovod; "
                              "synchronized=True (tf.distribute) does not apply")

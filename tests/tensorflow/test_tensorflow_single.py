@@ -235,3 +235,13 @@ def test_a_bucket_flattens_and_cuts_back_to_the_gradients():
     for back, grad in zip(_unflatten(flat, grads), grads):
         assert back.shape == grad.shape and np.array_equal(back.numpy(), grad.numpy())
     assert _flatten(grads[:1]) is grads[0] and _unflatten(grads[0], grads[:1]) == [grads[0]]
+
+
+def test_sync_batch_normalization_takes_horovods_fused_argument(single):
+    """Horovod's ``fused=False`` is accepted (Keras 3's layer no longer takes it); fused=True is
+    refused as Horovod refuses it."""
+    layer = hvd.SyncBatchNormalization(axis=1, fused=False)
+    assert layer.axis == 1
+    for fused in (True, None):
+        with pytest.raises(ValueError, match="fused=True"):
+            hvd.SyncBatchNormalization(fused=fused)

@@ -115,11 +115,23 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
                      process_set: ProcessSet = global_process_set) -> int:
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
-    req = ops.allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
-                                prescale_factor=prescale_factor,
+    req = ops.allreduce_request(array, name=None if name is None else "allreduce." + name,
+                                op=op, average=average, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 output=array)
-    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
+    return _register([_submit_one(req)], _InPlace(tensor, array))
+
+
+class _InPlace:
+    """The finish of an in-place op: ``write_back`` of its one result into the tensor."""
+
+    __slots__ = ("tensor", "array")
+
+    def __init__(self, tensor: torch.Tensor, array):
+        self.tensor, self.array = tensor, array
+
+    def __call__(self, results: list) -> torch.Tensor:
+        return write_back(results[0], self.tensor, self.array)
 
 
 @synchronous
@@ -576,11 +588,15 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int):
     """Wait for ``handle``; return its output tensor (a list for grouped ops, a tuple
     ``(output, received_splits)`` for alltoall). Raises ``HorovodInternalError`` on failure."""
-    engine_handles, finish = _entry(handle)
-    del _handle_map[engine_handles[0]]
+    entry = _handle_map.pop(handle, None) if type(handle) is int else None
+    if entry is None:
+        entry = _entry(handle)
+        del _handle_map[entry[0][0]]
+    engine_handles, finish = entry
     engine = basics.engine()
     if len(engine_handles) == 1:  # the common case, kept short
-        return finish([_result(engine.wait(engine_handles[0]))])
+        req = engine.wait(engine_handles[0])
+        return finish([req.result if req.done_event is None else _result(req)])
     results, error = [], None
     for engine_handle in engine_handles:
         try:

@@ -66,7 +66,11 @@ INT_KERNEL(reduce_i32, int32_t, uint32_t)
 INT_KERNEL(reduce_i64, int64_t, uint64_t)
 
 /* Floats of 32 and 64 bits: the factor in the element's type, as numpy with a Python float. The
- * sum loop is kept apart from the switch so that the compiler vectorizes it. */
+ * sum loops are kept apart from the switch so that the compiler vectorizes them. Sums take the
+ * first two inputs in one pass; two unscaled inputs (two ranks on a node) are summed straight
+ * into the first output, the others copied from it; an unscaled copy is a plain memcpy. Each
+ * output of a block is written after every input of that block was read, so an output may be
+ * one of the inputs. */
 #define FLOAT_KERNEL(NAME, T)                                                                 \
     static void NAME(int op, const void *const *in, int k, void *const *out, int m, size_t n,  \
                      double pre_d, double post_d) {                                           \

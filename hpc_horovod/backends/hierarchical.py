@@ -22,10 +22,11 @@ at most :data:`CHUNK_BYTES` (a smaller one is MPI's own ``Allreduce``, faster th
    overlapping the reduction of the next on the other ranks. Nodes of different sizes go in
    chunks of a whole staging area, with two arrivals each and the leader's in between.
 
-A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
-sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
-are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once when the engine's
-alarm (handed over at each negotiation) says a peer failed, and yields its core meanwhile.
+A node makes no MPI data call at all. Arrivals are counters in the window (MPI's unified memory
+model: ``Win_sync`` before a counter's store, after the loads that saw it): a rank that waits
+knows which peers are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once
+when the engine's alarm (handed over at each negotiation) says a peer failed, and yields its
+core meanwhile.
 After the last arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 

@@ -412,15 +412,21 @@ class HierarchicalBackend(MpiBackend):
         after its arrival a rank copies the previous chunk's results out of its staging half
         (its peers pushed them before they arrived), then reduces its slice of chunk ``c`` and
         pushes the result into every rank's data. A staging half is written again two chunks
-        later, after an arrival that tells every peer is done with it."""
+        later, after an arrival that tells every peer is done with it.
+
+        When the first chunk's arrival shows every rank's data in the window (a gradient
+        bucket everywhere), nothing is staged and there is nothing to pipeline: the rest goes
+        as one chunk, two arrivals instead of one per chunk. Every rank sees the same offsets,
+        so every rank cuts the same chunks."""
         win, dtype = self.window, out.dtype
-        item = dtype.itemsize
+        item, size = dtype.itemsize, out.size
         half = win.staging_bytes // 2
         chunk = max(1, min(CHUNK_BYTES, half) // item // ALIGN) * ALIGN
         staged = base is None
         unread = None  # (results, staging offset) of the chunk whose results are to copy out
-        for c, lo in enumerate(range(0, out.size, chunk)):
-            hi = min(lo + chunk, out.size)
+        c = lo = 0
+        while lo < size:
+            hi = min(lo + chunk, size)
             slot = c % 2
             part, results = src[lo:hi], out[lo:hi]
             if staged:
@@ -429,11 +435,15 @@ class HierarchicalBackend(MpiBackend):
             else:
                 offset = base + lo * item
             win.arrive(offset, "allreduce: data ready", slot)
+            offsets = win.published(slot)
+            if c == 0 and min(offsets) >= win.staging_bytes:  # all in the buckets' half
+                chunk = size
             if unread is not None:
                 self._stage(unread[0], unread[1], unread[0].size, -1)
-            self._reduce_slice(part, results, op, pre, post, win.published(slot))
+            self._reduce_slice(part, results, op, pre, post, offsets)
             unread = (results, offset) if staged else None
-        win.arrive(0, "allreduce: results written", (c + 1) % 2)
+            c, lo = c + 1, hi
+        win.arrive(0, "allreduce: results written", c % 2)
         if unread is not None:
             self._stage(unread[0], unread[1], unread[0].size, -1)
 

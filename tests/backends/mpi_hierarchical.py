@@ -195,6 +195,30 @@ def test_chunks_in_and_out_of_the_window_in_turn(flat, monkeypatch):
         small.close()
 
 
+def test_buckets_everywhere_go_in_two_arrivals(flat, monkeypatch):
+    """Data in the window on every rank: after the first chunk the rest goes at once (three
+    arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
+    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
+    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
+    try:
+        chunk = 4096 // 8
+        memory = small.bucket_memory(5 * chunk * 8)
+        assert memory is not None
+        for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
+                                           (5 * chunk - 3, RANK != SIZE - 1, 6)):
+            x = _values(np.int64, count, count)
+            ref = x.copy()
+            flat.allreduce(ref, Sum)
+            buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
+            buf[...] = x
+            before = small.window.seq
+            small.allreduce(buf, Sum, postscale=1.0)
+            assert buf.tobytes() == ref.tobytes(), (count, in_window)
+            assert small.window.seq - before == arrivals, (count, in_window)
+    finally:
+        small.close()
+
+
 #: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal
 LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 2, 1)],
            5: [(3, 2), (2, 3), (2, 2, 1)]}

@@ -414,10 +414,11 @@ class HierarchicalBackend(MpiBackend):
         pushes the result into every rank's data. A staging half is written again two chunks
         later, after an arrival that tells every peer is done with it.
 
-        When the first chunk's arrival shows every rank's data in the window (a gradient
-        bucket everywhere), nothing is staged and there is nothing to pipeline: the rest goes
-        as one chunk, two arrivals instead of one per chunk. Every rank sees the same offsets,
-        so every rank cuts the same chunks."""
+        On one node, when the first chunk's arrival shows every rank's data in the window (a
+        gradient bucket everywhere), nothing is staged and there is nothing to pipeline: the
+        rest goes as one chunk, two arrivals instead of one per chunk. Every rank of the node
+        sees the same offsets, so every rank cuts the same chunks (across nodes the chunks'
+        slices pair up in MPI calls, and another node cannot see these offsets)."""
         win, dtype = self.window, out.dtype
         item, size = dtype.itemsize, out.size
         half = win.staging_bytes // 2
@@ -436,8 +437,8 @@ class HierarchicalBackend(MpiBackend):
                 offset = base + lo * item
             win.arrive(offset, "allreduce: data ready", slot)
             offsets = win.published(slot)
-            if c == 0 and min(offsets) >= win.staging_bytes:  # all in the buckets' half
-                chunk = size
+            if c == 0 and self.cross_size == 1 and min(offsets) >= win.staging_bytes:
+                chunk = size  # every rank's data lies in the buckets' half
             if unread is not None:
                 self._stage(unread[0], unread[1], unread[0].size, -1)
             self._reduce_slice(part, results, op, pre, post, offsets)

@@ -224,7 +224,7 @@ LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 
            5: [(3, 2), (2, 3), (2, 2, 1)]}
 
 
-def test_layouts_bit_identical_to_flat(flat):
+def test_layouts_bit_identical_to_flat(flat, monkeypatch):
     """Ranks in groups ("nodes") of any sizes: the groups share this host's memory, so the
     window is real; only the split is chosen here. Equal groups reduce each slice across groups,
     unequal ones go through each group's leader; integers match flat MPI bit for bit."""
@@ -255,6 +255,16 @@ def test_layouts_bit_identical_to_flat(flat):
             flat.allreduce(x, Sum, postscale=1.0 / SIZE)
             backend.allreduce(memory, Sum, postscale=1.0 / SIZE)
             assert memory.tobytes() == x.tobytes(), layout
+            # in buckets on the first group only, in five chunks: every group cuts the same ones
+            y = _values(np.int32, x.size, 6) // 4
+            ref = y.copy()
+            flat.allreduce(ref, Sum)
+            buf = memory if node_of[RANK] == 0 else np.empty_like(y)
+            buf[...] = y
+            with monkeypatch.context() as patch:
+                patch.setattr(hierarchical, "CHUNK_BYTES", 16 << 10)
+                backend.allreduce(buf, Sum)
+            assert buf.tobytes() == ref.tobytes(), layout
             x = _values(np.float32, 50_000, 2)
             a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)
             np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)

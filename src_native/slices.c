@@ -66,20 +66,53 @@ INT_KERNEL(reduce_i32, int32_t, uint32_t)
 INT_KERNEL(reduce_i64, int64_t, uint64_t)
 
 /* Floats of 32 and 64 bits: the factor in the element's type, as numpy with a Python float. The
- * sum loop is kept apart from the switch so that the compiler vectorizes it. */
+ * sum loops are kept apart from the switch so that the compiler vectorizes them. Sums take the
+ * first two inputs in one pass; two unscaled inputs (two ranks on a node) are summed straight
+ * into the first output, the others copied from it; an unscaled copy is a plain memcpy. Each
+ * output of a block is written after every input of that block was read, so an output may be
+ * one of the inputs. */
 #define FLOAT_KERNEL(NAME, T)                                                                 \
     static void NAME(int op, const void *const *in, int k, void *const *out, int m, size_t n,  \
                      double pre_d, double post_d) {                                           \
         T acc[BLOCK], pre = (T)pre_d, post = (T)post_d;                                       \
+        if (k == 1 && pre_d == 1.0 && post_d == 1.0) {                                        \
+            for (int j = 0; j < m; j++)                                                       \
+                if (out[j] != in[0])                                                          \
+                    memcpy(out[j], in[0], n * sizeof(T));                                     \
+            return;                                                                           \
+        }                                                                                     \
         for (size_t off = 0; off < n; off += BLOCK) {                                         \
             size_t b = n - off < BLOCK ? n - off : BLOCK;                                     \
             const T *x0 = (const T *)in[0] + off;                                             \
-            if (pre_d == 1.0)                                                                 \
+            int q = 1;                                                                        \
+            if (k == 2 && op == HH_S_SUM && pre_d == 1.0) {                                   \
+                const T *x1 = (const T *)in[1] + off;                                         \
+                T *o0 = (T *)out[0] + off;                                                    \
+                for (size_t i = 0; i < b; i++)                                                \
+                    o0[i] = x0[i] + x1[i];                                                    \
+                if (post_d != 1.0)                                                            \
+                    for (size_t i = 0; i < b; i++)                                            \
+                        o0[i] *= post;                                                        \
+                for (int j = 1; j < m; j++)                                                   \
+                    memcpy((T *)out[j] + off, o0, b * sizeof(T));                             \
+                continue;                                                                     \
+            }                                                                                 \
+            if (k > 1 && op == HH_S_SUM) { /* the first two inputs in one pass */             \
+                const T *x1 = (const T *)in[1] + off;                                         \
+                if (pre_d == 1.0)                                                             \
+                    for (size_t i = 0; i < b; i++)                                            \
+                        acc[i] = x0[i] + x1[i];                                               \
+                else                                                                          \
+                    for (size_t i = 0; i < b; i++)                                            \
+                        acc[i] = x0[i] * pre + x1[i] * pre;                                   \
+                q = 2;                                                                        \
+            } else if (pre_d == 1.0) {                                                        \
                 memcpy(acc, x0, b * sizeof(T));                                               \
-            else                                                                              \
+            } else {                                                                          \
                 for (size_t i = 0; i < b; i++)                                                \
                     acc[i] = x0[i] * pre;                                                     \
-            for (int q = 1; q < k; q++) {                                                     \
+            }                                                                                 \
+            for (; q < k; q++) {                                                              \
                 const T *x = (const T *)in[q] + off;                                          \
                 if (op == HH_S_SUM && pre_d == 1.0) {                                         \
                     for (size_t i = 0; i < b; i++)                                            \

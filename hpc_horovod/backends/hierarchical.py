@@ -22,10 +22,11 @@ at most :data:`CHUNK_BYTES` (a smaller one is MPI's own ``Allreduce``, faster th
    overlapping the reduction of the next on the other ranks. Nodes of different sizes go in
    chunks of a whole staging area, with two arrivals each and the leader's in between.
 
-A node makes no MPI data call at all. Arrivals are counters in the window (``Win_sync`` on both
-sides of a store or a load: MPI's unified memory model): a rank that waits knows which peers
-are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once when the engine's
-alarm (handed over at each negotiation) says a peer failed, and yields its core meanwhile.
+A node makes no MPI data call at all. Arrivals are counters in the window (MPI's unified memory
+model: ``Win_sync`` before a counter's store, after the loads that saw it): a rank that waits
+knows which peers are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once
+when the engine's alarm (handed over at each negotiation) says a peer failed, and yields its
+core meanwhile.
 After the last arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 
@@ -192,9 +193,15 @@ class NodeWindow:
                                             offset=skip + half)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.ctrl[self.rank * _LINE:(self.rank + 1) * _LINE] = 0
-        self.counters = self.ctrl[:self.size * _LINE:_LINE]  # every rank's arrivals
+        # The control lines as Python ints: a memoryview reads and writes one in a few
+        # nanoseconds, where a numpy element or reduction costs a microsecond or more.
+        self._lines = memoryview(self.ctrl)
+        self.counters = self._lines[:self.size * _LINE:_LINE]  # every rank's arrivals
         #: where every rank's data lies, one slot per parity of chunk (see ``published``)
-        self._published = [self.ctrl[1 + slot:self.size * _LINE:_LINE] for slot in (0, 1)]
+        self._published = [self._lines[1 + slot:self.size * _LINE:_LINE] for slot in (0, 1)]
+        #: views of the segments by (rank, byte offset, count, dtype): a chunk's views are the
+        #: same at every step of a training loop (staging halves, buckets at fixed offsets)
+        self._views: dict = {}
         self.seq = 0
         #: the engine's alarm (``.error`` set when a peer failed), from the last negotiation
         self.alarm = None
@@ -230,17 +237,19 @@ class NodeWindow:
         arrive here too; raise HorovodInternalError naming the ranks that did not within the
         peer timeout."""
         seq = self.seq = self.seq + 1
-        line = self.rank * _LINE
-        self.ctrl[line + 1 + slot] = offset
+        line, lines = self.rank * _LINE, self._lines
+        lines[line + 1 + slot] = offset
+        # Unified memory model: the data and the offset are visible to every peer before the
+        # counter that says they are ready (release) ...
         self.win.Sync()
-        self.ctrl[line] = seq
-        self.win.Sync()
-        counters = self.counters
-        if counters.min() < seq:
+        lines[line] = seq
+        if min(self.counters) < seq:  # a stale read here only means one more look in _wait
             self._wait(seq, what)
+        # ... and no load of a peer's data comes before the counters that said it is ready
+        # (acquire).
         self.win.Sync()
 
-    def published(self, slot: int = 0) -> np.ndarray:
+    def published(self, slot: int = 0) -> memoryview:
         """Every rank's offset last published in ``slot``. Chunks alternate between two slots:
         a rank that runs one arrival ahead overwrites the other slot, never the one its peers
         may still read."""
@@ -254,7 +263,7 @@ class NodeWindow:
         yield_until = start + patience.yield_s()
         while True:
             sync()
-            if counters.min() >= seq:
+            if min(counters) >= seq:
                 return
             now = time.perf_counter()
             if now < spin_until:
@@ -276,8 +285,15 @@ class NodeWindow:
 
     def data(self, q: int, offset: int, lo: int, hi: int, dtype: np.dtype) -> np.ndarray:
         """Elements ``[lo, hi)`` of ``dtype`` from byte ``offset`` of rank ``q``'s segment."""
-        item = dtype.itemsize
-        return self.segments[q][offset + lo * item:offset + hi * item].view(dtype)
+        start = offset + lo * dtype.itemsize
+        key = (q, start, hi - lo, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 4096:  # a bound on the cache, never reached by one model
+                self._views.clear()
+            view = self._views[key] = self.segments[q][
+                start:start + (hi - lo) * dtype.itemsize].view(dtype)
+        return view
 
     # -- lifetime --------------------------------------------------------------------------------
     def in_use(self) -> bool:
@@ -310,11 +326,13 @@ class NodeWindow:
                         self.global_ranks[self.rank], exc)
             self.retire()
             return
-        if self.published().max() > 0:  # some rank still views memory of it
+        if max(self.published()) > 0:  # some rank still views memory of it
             self.retire()
             return
         self.win.Unlock_all()
+        self._views.clear()
         self.segments = self.ctrl = self.counters = self._published = self._arena = None
+        self._lines = None
         self.win.Free()
         self.win = None
 
@@ -348,6 +366,7 @@ class HierarchicalBackend(MpiBackend):
             leader = self.local_rank == 0
             self.cross = comm.Split(color=0 if leader else MPI.UNDEFINED, key=self.rank)
         self.window_bytes, self.timeout_s = window_bytes, timeout_s
+        self._bounds_of: dict = {}  # see _bounds
         try:
             self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
         except BaseException:
@@ -393,42 +412,66 @@ class HierarchicalBackend(MpiBackend):
         after its arrival a rank copies the previous chunk's results out of its staging half
         (its peers pushed them before they arrived), then reduces its slice of chunk ``c`` and
         pushes the result into every rank's data. A staging half is written again two chunks
-        later, after an arrival that tells every peer is done with it."""
+        later, after an arrival that tells every peer is done with it.
+
+        On one node, when the first chunk's arrival shows every rank's data in the window (a
+        gradient bucket everywhere), nothing is staged and there is nothing to pipeline: the
+        rest goes as one chunk, two arrivals instead of one per chunk. Every rank of the node
+        sees the same offsets, so every rank cuts the same chunks (across nodes the chunks'
+        slices pair up in MPI calls, and another node cannot see these offsets)."""
         win, dtype = self.window, out.dtype
-        item = dtype.itemsize
+        item, size = dtype.itemsize, out.size
         half = win.staging_bytes // 2
         chunk = max(1, min(CHUNK_BYTES, half) // item // ALIGN) * ALIGN
         staged = base is None
-        unread = None  # (lo, hi, staging offset) of the chunk whose results are to copy out
-        for c, lo in enumerate(range(0, out.size, chunk)):
-            hi = min(lo + chunk, out.size)
+        unread = None  # (results, staging offset) of the chunk whose results are to copy out
+        c = lo = 0
+        while lo < size:
+            hi = min(lo + chunk, size)
             slot = c % 2
+            part, results = src[lo:hi], out[lo:hi]
             if staged:
                 offset = slot * half
-                self._stage(src[lo:hi], offset, hi - lo, 1)
+                self._stage(part, offset, hi - lo, 1)
             else:
                 offset = base + lo * item
             win.arrive(offset, "allreduce: data ready", slot)
+            offsets = win.published(slot)
+            if c == 0 and self.cross_size == 1 and min(offsets) >= win.staging_bytes:
+                chunk = size  # every rank's data lies in the buckets' half
             if unread is not None:
-                self._stage(out[unread[0]:unread[1]], unread[2], unread[1] - unread[0], -1)
-            self._reduce_slice(src[lo:hi], out[lo:hi], op, pre, post, win.published(slot))
-            unread = (lo, hi, offset) if staged else None
-        win.arrive(0, "allreduce: results written", (c + 1) % 2)
+                self._stage(unread[0], unread[1], unread[0].size, -1)
+            self._reduce_slice(part, results, op, pre, post, offsets)
+            unread = (results, offset) if staged else None
+            c, lo = c + 1, hi
+        win.arrive(0, "allreduce: results written", c % 2)
         if unread is not None:
-            self._stage(out[unread[0]:unread[1]], unread[2], unread[1] - unread[0], -1)
+            self._stage(unread[0], unread[1], unread[0].size, -1)
+
+    def _bounds(self, n: int, item: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+        """(this rank's slice, the other ranks' slices) of ``n`` elements of ``item`` bytes
+        (:func:`slice_bounds`); every chunk but the last has the same."""
+        key = (n, item)
+        bounds = self._bounds_of.get(key)
+        if bounds is None:
+            k, me = self.local_size, self.local_rank
+            if len(self._bounds_of) >= 1024:
+                self._bounds_of.clear()
+            bounds = self._bounds_of[key] = (
+                slice_bounds(n, item, k, me),
+                [slice_bounds(n, item, k, q) for q in range(k) if q != me])
+        return bounds
 
     def _stage(self, data: np.ndarray, offset: int, n: int, direction: int) -> None:
         """Copy the slices of ``data`` (``n`` elements) that the other ranks reduce into this
         rank's staging area at byte ``offset`` (``direction`` 1), or back out of it (-1)."""
-        win, k, me, item = self.window, self.local_size, self.local_rank, data.dtype.itemsize
-        stage = win.data(me, offset, 0, n, data.dtype)
-        for q in range(k):
-            if q != me:
-                a, b = slice_bounds(n, item, k, q)
+        win, me, dtype = self.window, self.local_rank, data.dtype
+        for a, b in self._bounds(n, dtype.itemsize)[1]:
+            if a < b:
                 if direction > 0:
-                    stage[a:b] = data[a:b]
+                    win.data(me, offset, a, b, dtype)[...] = data[a:b]
                 else:
-                    data[a:b] = stage[a:b]
+                    data[a:b] = win.data(me, offset, a, b, dtype)
 
     def _reduce_slice(self, src: np.ndarray, out: np.ndarray, op: int, pre: float, post: float,
                       offsets: np.ndarray) -> None:
@@ -436,12 +479,11 @@ class HierarchicalBackend(MpiBackend):
         ``out`` and every peer's data; across nodes, the slice is allreduced with the ranks of
         the same local rank in between."""
         win, k, me, dtype = self.window, self.local_size, self.local_rank, out.dtype
-        lo, hi = slice_bounds(out.size, dtype.itemsize, k, me)
+        lo, hi = self._bounds(out.size, dtype.itemsize)[0]
         if lo >= hi:
             return
-        inputs = [src[lo:hi] if q == me else win.data(q, int(offsets[q]), lo, hi, dtype)
-                  for q in range(k)]
-        peers = [win.data(q, int(offsets[q]), lo, hi, dtype) for q in range(k) if q != me]
+        peers = [win.data(q, offsets[q], lo, hi, dtype) for q in range(k) if q != me]
+        inputs = peers[:me] + [src[lo:hi]] + peers[me:]
         mine = out[lo:hi]
         if self.cross_size == 1:
             _native.reduce_slices(inputs, [mine] + peers, op, pre, post)

@@ -29,6 +29,8 @@ from ..common.types import bfloat16
 SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
+#: the dtypes whose CPU tensors ``Tensor.numpy()`` views
+_NUMPY_VIEWED = _SUPPORTED - {torch.bfloat16}
 #: the numpy dtype of each supported torch dtype's engine view (bfloat16: ml_dtypes')
 NUMPY_DTYPES = {t: bfloat16 if t == torch.bfloat16 else np.dtype(str(t).removeprefix("torch."))
                 for t in SUPPORTED_DTYPES}
@@ -152,8 +154,12 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False) -> n
     contiguous (a copy would silently drop the result). A contiguous CPU tensor always gets
     a view of its own memory, which :func:`write_back` relies on.
     """
+    # The common case (every gradient bucket), kept short: what check_tensor would accept.
+    if type(tensor) is torch.Tensor and tensor.dtype in _NUMPY_VIEWED and not tensor.is_sparse \
+            and tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad:
+        return tensor.numpy()
     check_tensor(tensor, op_name)
-    if tensor.is_cpu and tensor.is_contiguous():  # the common case, kept short
+    if tensor.is_cpu and tensor.is_contiguous():
         host = tensor.detach() if tensor.requires_grad else tensor
     else:
         if inplace and not tensor.is_contiguous():

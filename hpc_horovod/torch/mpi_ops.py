@@ -112,9 +112,9 @@ def allreduce_async(tensor: torch.Tensor, average=None, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start an allreduce of ``tensor`` (not modified); default op: Average. Returns a handle."""
     req = allreduce_request(engine_array(tensor, "allreduce"),
-                                name=_op_name("allreduce", name), op=op, average=average,
-                                prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set)
+                            name=_op_name("allreduce", name), op=op, average=average,
+                            prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
 
@@ -124,10 +124,21 @@ def allreduce_async_(tensor: torch.Tensor, average=None, name: str | None = None
     """Start an in-place allreduce: the engine writes the result into ``tensor``'s memory."""
     array = engine_array(tensor, "allreduce_", inplace=True)
     req = allreduce_request(array, name=_op_name("allreduce", name), op=op, average=average,
-                                prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set,
-                                output=array)
-    return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set, output=array)
+    return _register([_submit_one(req)], _InPlace(tensor, array))
+
+
+class _InPlace:
+    """The finish of an in-place op: ``write_back`` of its one result into the tensor."""
+
+    __slots__ = ("tensor", "array")
+
+    def __init__(self, tensor: torch.Tensor, array):
+        self.tensor, self.array = tensor, array
+
+    def __call__(self, results: list) -> torch.Tensor:
+        return write_back(results[0], self.tensor, self.array)
 
 
 @synchronous
@@ -175,8 +186,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average=None,
     tensors = _nonempty(tensors, "grouped_allreduce")
     names = group_names(name, len(tensors), process_set.process_set_id, "allreduce")
     reqs = [allreduce_request(engine_array(t, "grouped_allreduce"), name=n,
-                                  process_set=process_set,
-                                  **_reduction(op, average, prescale_factor, postscale_factor))
+                              process_set=process_set,
+                              **_reduction(op, average, prescale_factor, postscale_factor))
             for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
     return _register(_submit(reqs),
@@ -193,9 +204,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average=None,
     for tensor, tensor_name in zip(tensors, names):
         array = engine_array(tensor, "grouped_allreduce_", inplace=True)
         reqs.append(allreduce_request(array, name=tensor_name, process_set=process_set,
-                                          output=array,
-                                          **_reduction(op, average, prescale_factor,
-                                                    postscale_factor)))
+                                      output=array,
+                                      **_reduction(op, average, prescale_factor,
+                                                   postscale_factor)))
     views = [req.output for req in reqs]
     return _register(_submit(reqs), lambda results: [
         write_back(r, t, v) for r, t, v in zip(results, tensors, views)])
@@ -270,9 +281,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=Ave
     indices = engine_array(coalesced.indices().t().contiguous(), "sparse_allreduce_async")
     values = engine_array(coalesced.values(), "sparse_allreduce_async")
     reqs = [allgather_request(indices, name=f"allgather.{base}.indices",
-                                  process_set=process_set),
+                              process_set=process_set),
             allgather_request(values, name=f"allgather.{base}.values",
-                                  process_set=process_set)]
+                              process_set=process_set)]
     device, shape = tensor.device, tensor.shape
 
     def finish(results):
@@ -292,7 +303,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
     req = allgather_request(engine_array(tensor, "allgather"), name=_op_name("allgather", name),
-                                process_set=process_set)
+                            process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
 
@@ -332,7 +343,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     tensors = _nonempty(tensors, "grouped_allgather")
     names = group_names(name, len(tensors), process_set.process_set_id, "allgather")
     reqs = [allgather_request(engine_array(t, "grouped_allgather"), name=n,
-                                  process_set=process_set) for t, n in zip(tensors, names)]
+                              process_set=process_set) for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
     return _register(_submit(reqs),
                      lambda results: [to_torch(r, d) for r, d in zip(results, devices)])
@@ -372,8 +383,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of ``root_rank``'s tensor (``tensor`` is not modified)."""
     req = broadcast_request(engine_array(tensor, "broadcast"), root_rank,
-                                name=_op_name("broadcast", name),
-                                process_set=process_set)
+                            name=_op_name("broadcast", name),
+                            process_set=process_set)
     return _register([_submit_one(req)], _result_on(tensor))
 
 
@@ -382,8 +393,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """Start an in-place broadcast into ``tensor``."""
     array = engine_array(tensor, "broadcast_", inplace=True)
     req = broadcast_request(array, root_rank, name=_op_name("broadcast", name),
-                                process_set=process_set,
-                                output=array)
+                            process_set=process_set,
+                            output=array)
     return _register([_submit_one(req)], lambda results: write_back(results[0], tensor, array))
 
 
@@ -425,8 +436,8 @@ def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     req = alltoall_request(engine_array(tensor, "alltoall"), splits,
-                               name=_op_name("alltoall", name),
-                               process_set=process_set)
+                           name=_op_name("alltoall", name),
+                           process_set=process_set)
     device = tensor.device
 
     def finish(results):
@@ -476,9 +487,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op=Averag
     row when dim 0 does not divide)."""
     _check_reducescatter_op(op)
     req = reducescatter_request(engine_array(tensor, "reducescatter"),
-                                    name=_op_name("reducescatter", name), op=op,
-                                    process_set=process_set, prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor)
+                                name=_op_name("reducescatter", name), op=op,
+                                process_set=process_set, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor)
     return _register([_submit_one(req)], _result_on(tensor))
 
 
@@ -530,8 +541,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     _check_reducescatter_op(op)
     names = group_names(name, len(tensors), process_set.process_set_id, "reducescatter")
     reqs = [reducescatter_request(engine_array(t, "grouped_reducescatter"), name=n, op=op,
-                                      process_set=process_set, prescale_factor=prescale_factor,
-                                      postscale_factor=postscale_factor)
+                                  process_set=process_set, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor)
             for t, n in zip(tensors, names)]
     devices = [t.device for t in tensors]
     return _register(_submit(reqs),
@@ -584,11 +595,15 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int):
     """Wait for ``handle``; return its output tensor (a list for grouped ops, a tuple
     ``(output, received_splits)`` for alltoall). Raises ``HorovodInternalError`` on failure."""
-    engine_handles, finish = _entry(handle)
-    del _handle_map[engine_handles[0]]
+    entry = _handle_map.pop(handle, None) if type(handle) is int else None
+    if entry is None:
+        entry = _entry(handle)
+        del _handle_map[entry[0][0]]
+    engine_handles, finish = entry
     engine = basics.engine()
     if len(engine_handles) == 1:  # the common case, kept short
-        return finish([_result(engine.wait(engine_handles[0]))])
+        req = engine.wait(engine_handles[0])
+        return finish([req.result if req.done_event is None else _result(req)])
     results, error = [], None
     for engine_handle in engine_handles:
         try:

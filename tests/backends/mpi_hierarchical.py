@@ -195,12 +195,36 @@ def test_chunks_in_and_out_of_the_window_in_turn(flat, monkeypatch):
         small.close()
 
 
+def test_buckets_everywhere_go_in_two_arrivals(flat, monkeypatch):
+    """Data in the window on every rank: after the first chunk the rest goes at once (three
+    arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
+    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
+    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
+    try:
+        chunk = 4096 // 8
+        memory = small.bucket_memory(5 * chunk * 8)
+        assert memory is not None
+        for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
+                                           (5 * chunk - 3, RANK != SIZE - 1, 6)):
+            x = _values(np.int64, count, count)
+            ref = x.copy()
+            flat.allreduce(ref, Sum)
+            buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
+            buf[...] = x
+            before = small.window.seq
+            small.allreduce(buf, Sum, postscale=1.0)
+            assert buf.tobytes() == ref.tobytes(), (count, in_window)
+            assert small.window.seq - before == arrivals, (count, in_window)
+    finally:
+        small.close()
+
+
 #: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal
 LAYOUTS = {2: [(1, 1)], 3: [(2, 1), (1, 2), (1, 1, 1)], 4: [(2, 2), (3, 1), (1, 2, 1)],
            5: [(3, 2), (2, 3), (2, 2, 1)]}
 
 
-def test_layouts_bit_identical_to_flat(flat):
+def test_layouts_bit_identical_to_flat(flat, monkeypatch):
     """Ranks in groups ("nodes") of any sizes: the groups share this host's memory, so the
     window is real; only the split is chosen here. Equal groups reduce each slice across groups,
     unequal ones go through each group's leader; integers match flat MPI bit for bit."""
@@ -231,6 +255,16 @@ def test_layouts_bit_identical_to_flat(flat):
             flat.allreduce(x, Sum, postscale=1.0 / SIZE)
             backend.allreduce(memory, Sum, postscale=1.0 / SIZE)
             assert memory.tobytes() == x.tobytes(), layout
+            # in buckets on the first group only, in five chunks: every group cuts the same ones
+            y = _values(np.int32, x.size, 6) // 4
+            ref = y.copy()
+            flat.allreduce(ref, Sum)
+            buf = memory if node_of[RANK] == 0 else np.empty_like(y)
+            buf[...] = y
+            with monkeypatch.context() as patch:
+                patch.setattr(hierarchical, "CHUNK_BYTES", 16 << 10)
+                backend.allreduce(buf, Sum)
+            assert buf.tobytes() == ref.tobytes(), layout
             x = _values(np.float32, 50_000, 2)
             a, b = _both(flat, backend, x, Sum, 0.5, 1.0 / SIZE)
             np.testing.assert_allclose(a, b, rtol=_ulps(np.float32), atol=1e-6)

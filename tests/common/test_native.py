@@ -153,6 +153,38 @@ def test_pack_and_unpack_match_numpy(kernels, src_dtype, wire_dtype, factor):
         assert_same(got.reshape(-1), numpy_scaled(seg, 2.0, src_dtype))
 
 
+def numpy_reduce(inputs: list[np.ndarray], op: int, pre: float, post: float) -> np.ndarray:
+    """reduce_slices' documented result, step by step in numpy (32/64-bit floats)."""
+    ufunc = {1: np.add, 3: np.minimum, 4: np.maximum, 5: np.multiply}[op]
+    dtype = inputs[0].dtype
+    acc = numpy_scaled(inputs[0], pre, dtype)
+    for x in inputs[1:]:
+        acc = ufunc(acc, numpy_scaled(x, pre, dtype))
+    return numpy_scaled(acc, post, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("op", [1, 3, 4, 5], ids=["sum", "min", "max", "product"])
+@pytest.mark.parametrize("pre,post", [(1.0, 1.0), (1.0, 0.5), (1 / 3, 1.0), (0.25, 1 / 3)])
+def test_reduce_slices_match_numpy_with_outputs_among_the_inputs(dtype, op, pre, post):
+    """1 to 4 inputs into 1 to 3 outputs, separate or the inputs themselves (as the node's
+    stage writes its own slice and every peer's), across the 2048-element blocks."""
+    rng = np.random.default_rng(5)
+    for n in (1, 7, 2047, 2049, 5000):
+        for k in (1, 2, 3, 4):
+            values = [rng.standard_normal(n).astype(dtype) for _ in range(k)]
+            want = numpy_reduce(values, op, pre, post)
+            for among in (False, True):
+                for m in (1, 2, 3):
+                    inputs = [v.copy() for v in values]
+                    outputs = [np.full(n, 7, dtype) for _ in range(m)]
+                    if among:  # the last input first, as rank k-1 of a node passes its own
+                        outputs[:min(m, k)] = inputs[::-1][:min(m, k)]
+                    _native.reduce_slices(inputs, outputs, op, pre, post)
+                    for out in outputs:
+                        assert_same(out, want)
+
+
 def test_large_pack_releases_the_gil_and_stays_exact():
     """Above 64 KiB the copy runs without the GIL; another thread keeps running meanwhile."""
     rng = np.random.default_rng(3)

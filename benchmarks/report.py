@@ -194,7 +194,7 @@ def training_lines(result: dict) -> list[str]:
         lines += table(["configuration", "steps/s", "range over rounds",
                         f"ratio to {reference}" if reference else "ratio to the reference",
                         "scaling efficiency", "last bucket exposed"], rows)
-    steps = result["one_process_step"]
+    steps = {name: rounds for name, rounds in result["one_process_step"].items() if rounds}
     if steps:
         lines += [f"One process, {meta['step_pairs']} CNN steps of each alternated per round: "
                   "the training step with DistributedOptimizer against the plain optimizer it "

@@ -471,6 +471,8 @@ def main(argv=None) -> None:
                   f"({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})")
         results[model] = {"description": MODELS[model], "configurations": configurations}
     for name, rounds in steps.items():
+        if not rounds:  # the one-process step is measured on the CNN only
+            continue
         print(f"  {name}: one-process DistributedOptimizer step / plain step "
               f"x{statistics.median(r['ratio'] for r in rounds):.3f}")
     for what, why in skipped.items():

@@ -165,58 +165,58 @@ def test_bucket_memory_in_place(flat, hier):
     assert hier.bucket_memory(1 << 40) is None
 
 
-def test_chunks_in_and_out_of_the_window_in_turn(flat, monkeypatch):
+@pytest.fixture
+def small(monkeypatch):
+    """A hierarchical backend of 64 KiB segments whose chunks are 4 KiB (512 int64s), every
+    size through the window."""
+    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
+    backend = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
+    yield backend
+    backend.close()
+
+
+def test_chunks_in_and_out_of_the_window_in_turn(flat, small):
     """Several chunks, with the data in the window on some ranks and staged on the others, and
     calls back to back (odd and even numbers of chunks): the two staging halves and the two
     slots of published offsets never mix up a peer's data."""
-    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
-    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
-    try:
-        chunk = 4096 // 8
-        memory = small.bucket_memory(4 * chunk * 8)
-        assert memory is not None
-        for seed, count in enumerate((3 * chunk - 5, 4 * chunk, 1, chunk + 1, 2 * chunk + 3)):
-            for in_window in (RANK == 0, RANK % 2 == 1, True, False):
-                x = _values(np.int64, count, seed)
-                ref = x.copy()
-                flat.allreduce(ref, Sum)
-                buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
-                buf[...] = x
-                small.allreduce(buf, Sum)
-                assert buf.tobytes() == ref.tobytes(), (count, in_window)
-                y = _values(np.int32, count, seed).astype(np.float64)  # exact sums and scales
-                a = np.empty_like(y)
-                flat.allreduce(a, Sum, send=y, prescale=0.5, postscale=0.25)
-                b = memory.view(np.float64)[:count] if in_window else np.empty_like(y)
-                b[...] = y
-                small.allreduce(b, Sum, prescale=0.5, postscale=0.25)
-                assert b.tobytes() == a.tobytes(), (count, in_window)
-    finally:
-        small.close()
-
-
-def test_buckets_everywhere_go_in_two_arrivals(flat, monkeypatch):
-    """Data in the window on every rank: after the first chunk the rest goes at once (three
-    arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
-    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 4096)
-    small = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0, mpi_below_bytes=0)
-    try:
-        chunk = 4096 // 8
-        memory = small.bucket_memory(5 * chunk * 8)
-        assert memory is not None
-        for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
-                                           (5 * chunk - 3, RANK != SIZE - 1, 6)):
-            x = _values(np.int64, count, count)
+    chunk = 4096 // 8
+    memory = small.bucket_memory(4 * chunk * 8)
+    assert memory is not None
+    for seed, count in enumerate((3 * chunk - 5, 4 * chunk, 1, chunk + 1, 2 * chunk + 3)):
+        for in_window in (RANK == 0, RANK % 2 == 1, True, False):
+            x = _values(np.int64, count, seed)
             ref = x.copy()
             flat.allreduce(ref, Sum)
             buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
             buf[...] = x
-            before = small.window.seq
-            small.allreduce(buf, Sum, postscale=1.0)
+            small.allreduce(buf, Sum)
             assert buf.tobytes() == ref.tobytes(), (count, in_window)
-            assert small.window.seq - before == arrivals, (count, in_window)
-    finally:
-        small.close()
+            y = _values(np.int32, count, seed).astype(np.float64)  # exact sums and scales
+            a = np.empty_like(y)
+            flat.allreduce(a, Sum, send=y, prescale=0.5, postscale=0.25)
+            b = memory.view(np.float64)[:count] if in_window else np.empty_like(y)
+            b[...] = y
+            small.allreduce(b, Sum, prescale=0.5, postscale=0.25)
+            assert b.tobytes() == a.tobytes(), (count, in_window)
+
+
+def test_buckets_everywhere_go_in_two_arrivals(flat, small):
+    """Data in the window on every rank: after the first chunk the rest goes at once (three
+    arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
+    chunk = 4096 // 8
+    memory = small.bucket_memory(5 * chunk * 8)
+    assert memory is not None
+    for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
+                                       (5 * chunk - 3, RANK != SIZE - 1, 6)):
+        x = _values(np.int64, count, count)
+        ref = x.copy()
+        flat.allreduce(ref, Sum)
+        buf = memory.view(np.int64)[:count] if in_window else np.empty_like(x)
+        buf[...] = x
+        before = small.window.seq
+        small.allreduce(buf, Sum, postscale=1.0)
+        assert buf.tobytes() == ref.tobytes(), (count, in_window)
+        assert small.window.seq - before == arrivals, (count, in_window)
 
 
 #: Splits of the ranks into "nodes" (ranks per node) for each number of ranks: equal and unequal

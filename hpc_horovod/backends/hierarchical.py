@@ -416,9 +416,9 @@ class HierarchicalBackend(MpiBackend):
 
         On one node, when the first chunk's arrival shows every rank's data in the window (a
         gradient bucket everywhere), nothing is staged and there is nothing to pipeline: the
-        rest goes as one chunk, two arrivals instead of one per chunk. Every rank of the node
-        sees the same offsets, so every rank cuts the same chunks (across nodes the chunks'
-        slices pair up in MPI calls, and another node cannot see these offsets)."""
+        rest goes as one chunk: three arrivals in all, instead of one per chunk. Every rank of
+        the node sees the same offsets, so every rank cuts the same chunks (across nodes the
+        chunks' slices pair up in MPI calls, and another node cannot see these offsets)."""
         win, dtype = self.window, out.dtype
         item, size = dtype.itemsize, out.size
         half = win.staging_bytes // 2

@@ -200,7 +200,7 @@ def test_chunks_in_and_out_of_the_window_in_turn(flat, small):
             assert b.tobytes() == a.tobytes(), (count, in_window)
 
 
-def test_buckets_everywhere_go_in_two_arrivals(flat, small):
+def test_buckets_everywhere_go_in_three_arrivals(flat, small):
     """Data in the window on every rank: after the first chunk the rest goes at once (three
     arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
     chunk = 4096 // 8

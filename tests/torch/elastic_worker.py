@@ -23,6 +23,7 @@ import time
 import torch
 
 import hpc_horovod.torch as hvd
+from hpc_horovod.checkpoint import atomic_write
 from hpc_horovod.slurm.requeue import requeue_on_signal, restart_count
 
 parser = argparse.ArgumentParser()
@@ -89,8 +90,9 @@ def train(state):
                       f"{hvd.size()} ranks", flush=True)
             first = False
             if die_here(state.epoch, batch):
-                with open(os.path.join(args.log_dir, "killed"), "w") as fh:
-                    fh.write(repr(time.time()))
+                # whole or absent: rank 0 may look for it at this very batch
+                atomic_write(os.path.join(args.log_dir, "killed"),
+                             lambda fh: fh.write(repr(time.time()).encode()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if stopper is not None and stopper.should_stop():
                 return

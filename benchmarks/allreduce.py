@@ -7,7 +7,10 @@ On the host, in the same processes:
 
 * one float32 buffer of 4 KiB .. ``--max-bytes``: ``hvd.allreduce`` and ``hvd.allreduce_``
   (numpy), ``hpc_horovod.torch.allreduce_`` (CPU tensor), mpi4py ``Allreduce`` in place (the
-  baseline) and torch.distributed gloo ``all_reduce`` (when it starts);
+  baseline) and torch.distributed gloo ``all_reduce`` (when it starts); and two bounds with no
+  communication, on every rank at once: one pass over the buffer in place (``x * 1`` into
+  ``x``: the least memory traffic of an in-place allreduce of private buffers) and
+  ``x.copy()`` (the least of an out-of-place one, which returns a new array);
 * 200 x 16 KiB float32 submitted asynchronously, then all synchronized (numpy and torch; gloo
   with 200 async ops), against one mpi4py ``Allreduce`` of the same bytes;
 * float16 at 16 MiB: ``hvd.allreduce`` with the native 16-bit MPI sum against the same values
@@ -51,6 +54,9 @@ except ImportError:
 
 SMALL_COUNT, SMALL_BYTES = 200, 16 << 10
 BASELINE = "mpi4py Allreduce in place"
+#: bounds, no communication: one read and one write of the buffer in place (an in-place
+#: allreduce cannot do less), and a copy into a new array (an out-of-place one cannot)
+PASS_IN_PLACE, PASS_COPY = "bound: one pass in place", "bound: copy to a new array"
 CUDA_BASELINE = "raw cupy.cuda.nccl allReduce"
 Case = tuple[Callable[[], object], Callable[[], object]]  # (timed call, untimed refill)
 
@@ -172,6 +178,10 @@ class Host:
         if self.dist is not None:
             t = self.torch.from_numpy(x)
             cases["gloo all_reduce"] = (lambda: self.dist.all_reduce(t), refill)
+        # No communication: the memory traffic any allreduce of private buffers pays at least,
+        # every rank at once (the same caches and memory bus as the contenders).
+        cases[PASS_IN_PLACE] = (lambda: np.multiply(x, 1, out=x), refill)
+        cases[PASS_COPY] = (lambda: x.copy(), refill)
         return cases
 
     def small(self, xs: list[np.ndarray]) -> dict[str, Case]:

@@ -112,6 +112,10 @@ def allreduce_lines(result: dict, plot: str | None) -> list[str]:
     cell = {(r["bytes"], r["case"]): r for r in sweep["rows"]}
     sizes = sorted({r["bytes"] for r in sweep["rows"]})
     lines += [f"### {sweep['title']} (baseline: {sweep['baseline']})", ""]
+    if any(c.startswith("bound:") for c in cases):
+        lines += ["The `bound:` columns communicate nothing: every rank at once makes one pass "
+                  "over its buffer in place, or copies it into a new array. No in-place "
+                  "(out-of-place) allreduce of private buffers moves less memory.", ""]
     lines += table(["size", *cases], [
         [human(n), *(f"{fmt_time(cell[n, c]['median_s'])} x{cell[n, c]['ratio']:.2f}"
                      if (n, c) in cell and cell[n, c]["ratio"] else "-" for c in cases)]

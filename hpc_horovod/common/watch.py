@@ -171,6 +171,8 @@ class PeerWatch:
         errors = [e for e in comm.allgather(error) if e]
         if errors:
             self.close()
+            for sock in self._wake:
+                sock.close()
             raise RuntimeError("the ranks could not open their connections to rank 0 (used to "
                                "tell a lost rank at once): " + "; ".join(errors[:4]))
         _LIVE.add(self)
@@ -340,6 +342,8 @@ class PeerWatch:
                             self._ack(failed, rank)
                 self._lost(ranks)
         selector.close()
+        for sock in self._wake:
+            sock.close()
 
     # -- the census ----------------------------------------------------------------------------
     def _answer(self) -> dict:

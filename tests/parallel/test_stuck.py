@@ -44,16 +44,19 @@ def run_job(np_: int, scenario: str, tmp_path) -> tuple[str, float]:
     return out, took
 
 
+def summary(np_: int, op: str) -> str:
+    """The start of rank 0's one line when the last of ``np_`` ranks froze inside ``op``."""
+    frozen = np_ - 1
+    others = "rank 0" if np_ == 2 else "ranks " + ", ".join(map(str, range(frozen)))
+    return (f"job failed: a collective did not complete: rank {frozen} did not answer within "
+            f"2 s (stopped, or blocked outside Python); {others} in {op} 'frozen.op' (")
+
+
 @pytest.mark.parametrize("np_, op", [(2, "allreduce"), (3, "broadcast"), (4, "allgather")])
 def test_a_rank_frozen_inside_a_data_call_ends_the_job_naming_it(np_, op, tmp_path):
     out, took = run_job(np_, op, tmp_path)
-    frozen = np_ - 1
-    others = "rank 0" if np_ == 2 else "ranks " + ", ".join(map(str, range(frozen)))
-    summary = (f"job failed: a collective did not complete: rank {frozen} did not answer "
-               f"within 2 s (stopped, or blocked outside Python); {others} in {op} "
-               "'frozen.op' (")
-    assert summary in out, out
-    print(f"{np_} ranks, {op}: the job ended {took:.1f} s after rank {frozen} froze")
+    assert summary(np_, op) in out, out
+    print(f"{np_} ranks, {op}: the job ended {took:.1f} s after rank {np_ - 1} froze")
 
 
 def test_a_rank_frozen_between_ops_is_named_by_the_negotiation_timeout(tmp_path):

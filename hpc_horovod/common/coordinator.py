@@ -246,6 +246,7 @@ class Coordinator:
 
     def _finish_join(self, ps: ProcessSetState, settings: Settings) -> None:
         """Step 4's end: every member joined."""
+        self._whereabouts.negotiating(ps.id)
         cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64),
                                            settings.peer_timeout_s, self._alarm)[:, 0]
         last = max(range(len(cycles)), key=lambda r: (cycles[r], r))

@@ -150,7 +150,8 @@ class Execution:
     ``complete(req, error)``: complete a request that failed; ``done(group)``: mark a group's
     requests done and free their names; ``whereabouts``: where the engine is, which each step
     updates before it calls the backend (the watch bounds the blocking call with its
-    deadline)."""
+    deadline; what runs after the last step says where it is next: the coordinator's next
+    wait, or the engine's end of the cycle)."""
 
     def __init__(self, control: Callable, complete: Callable, done: Callable,
                  whereabouts: Whereabouts):
@@ -162,23 +163,19 @@ class Execution:
     def run(self, ps, plan: Plan, reqs: list[Request | None], timeline) -> None:
         """Run the plan's steps on ``ps`` (a ``coordinator.ProcessSetState``), in the same
         order on every rank."""
-        backend, here = ps.backend, self._whereabouts
-        before = here.now
-        try:
-            for kind, activity, start, stop, fused, nbytes in plan.steps:
-                sigs, group = plan.sigs[start:stop], reqs[start:stop]
-                if kind == "control":
-                    def fn(sig=sigs[0], req=group[0]):
-                        self._control(ps, sig, req)
-                else:
-                    def fn(runner=RUNNERS[kind], sigs=sigs, group=group, fused=fused):
-                        runner(backend, sigs, group, fused)
-                if nbytes < 0:  # a gather's result: every rank's share
-                    nbytes = len(ps.ranks) * sum(r.tensor.nbytes for r in group if r is not None)
-                here.enter(activity.lower(), plan.names[start:stop], nbytes, ps.id)
-                self._run_group(backend, sigs[0].device, group, timeline, activity, fn)
-        finally:
-            here.now = before
+        backend, enter = ps.backend, self._whereabouts.enter
+        for kind, activity, start, stop, fused, nbytes in plan.steps:
+            sigs, group = plan.sigs[start:stop], reqs[start:stop]
+            if kind == "control":
+                def fn(sig=sigs[0], req=group[0]):
+                    self._control(ps, sig, req)
+            else:
+                def fn(runner=RUNNERS[kind], sigs=sigs, group=group, fused=fused):
+                    runner(backend, sigs, group, fused)
+            if nbytes < 0:  # a gather's result: every rank's share
+                nbytes = len(ps.ranks) * sum(r.tensor.nbytes for r in group if r is not None)
+            enter(activity.lower(), plan.names[start:stop], nbytes, ps.id)
+            self._run_group(backend, sigs[0].device, group, timeline, activity, fn)
 
     def _run_group(self, backend, device: bool, group: list[Request | None], tl,
                    activity: str, fn) -> None:

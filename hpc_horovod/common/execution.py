@@ -174,7 +174,7 @@ class Execution:
                     runner(backend, sigs, group, fused)
             if nbytes < 0:  # a gather's result: every rank's share
                 nbytes = len(ps.ranks) * sum(r.tensor.nbytes for r in group if r is not None)
-            enter(activity.lower(), plan.names[start:stop], nbytes, ps.id)
+            enter(kind, plan.names, start, stop, nbytes, ps.id)
             self._run_group(backend, sigs[0].device, group, timeline, activity, fn)
 
     def _run_group(self, backend, device: bool, group: list[Request | None], tl,

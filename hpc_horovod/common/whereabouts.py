@@ -24,7 +24,7 @@ import time
 FLOOR_BYTES_PER_S = 100e6
 
 #: the engine outside a cycle (asleep, or its caller computing)
-IDLE = ("idle", 0.0, math.inf)
+IDLE = ("idle", 0.0)
 
 
 def deadline(since: float, timeout_s: float, nbytes: int) -> float:
@@ -50,9 +50,10 @@ def _names(names) -> str:
 class Whereabouts:
     """What the engine of this rank is doing: ``now``, one tuple replaced whole.
 
-    ``("idle", 0, inf)``; ``("negotiation", since, inf, process set id)``; or
-    ``("data", since, deadline, kind, names, nbytes, process set id)`` while a step of a plan
-    runs in the backend.
+    ``("idle", 0)``; ``("negotiation", since, process set id)``; or ``("data", since, kind,
+    names, start, stop, nbytes, process set id)`` while the step of a plan whose names are
+    ``names[start:stop]`` runs in the backend. What runs per step stores the tuple and
+    nothing else: the watch's thread computes its deadline (:meth:`overdue`).
     """
 
     __slots__ = ("now", "timeout_s")
@@ -62,19 +63,21 @@ class Whereabouts:
         self.now: tuple = IDLE
 
     def negotiating(self, ps_id: int) -> None:
-        self.now = ("negotiation", time.monotonic(), math.inf, ps_id)
+        self.now = ("negotiation", time.monotonic(), ps_id)
 
-    def enter(self, kind: str, names: list[str], nbytes: int, ps_id: int) -> None:
-        """A data call starts: ``kind`` of ``names`` (``nbytes`` moved) on process set
-        ``ps_id``."""
-        since = time.monotonic()
-        self.now = ("data", since, deadline(since, self.timeout_s, nbytes), kind, names,
-                    nbytes, ps_id)
+    def enter(self, kind: str, names: list[str], start: int, stop: int, nbytes: int,
+              ps_id: int) -> None:
+        """A data call starts: ``kind`` of ``names[start:stop]`` (``nbytes`` moved) on
+        process set ``ps_id``."""
+        self.now = ("data", time.monotonic(), kind, names, start, stop, nbytes, ps_id)
 
     def overdue(self, now: float) -> float | None:
-        """The start of the data call under way when it is past its deadline, else None."""
+        """The start of the data call under way when it is past its :func:`deadline`, else
+        None."""
         state = self.now
-        return state[1] if state[0] == "data" and now > state[2] else None
+        if state[0] == "data" and now > deadline(state[1], self.timeout_s, state[6]):
+            return state[1]
+        return None
 
     def answer(self, now: float | None = None) -> dict:
         """This rank's answer to a census: ``{"phase": ..., "what": text, "for_s": seconds}``
@@ -83,10 +86,11 @@ class Whereabouts:
         now = time.monotonic() if now is None else now
         phase, since = state[0], state[1]
         if phase == "data":
-            kind, names, nbytes, ps_id = state[3:]
-            what = f"in {kind} {_names(names)} ({_size(nbytes)}, process set {ps_id})"
+            kind, names, start, stop, nbytes, ps_id = state[2:]
+            what = (f"in {kind} {_names(names[start:stop])} ({_size(nbytes)}, process set "
+                    f"{ps_id})")
         elif phase == "negotiation":
-            what = f"in the negotiation of process set {state[3]}"
+            what = f"in the negotiation of process set {state[2]}"
         else:
             return {"phase": phase, "what": "idle (outside a collective)", "for_s": 0.0}
         return {"phase": phase, "what": what, "for_s": round(now - since, 1)}

@@ -22,23 +22,25 @@ def test_only_a_data_call_past_its_deadline_is_overdue():
     assert here.now is IDLE and here.overdue(time.monotonic() + 1e6) is None
     here.negotiating(0)
     assert here.overdue(time.monotonic() + 1e6) is None  # its wait has a timeout of its own
-    here.enter("allreduce", ["grad.fc1"], 16 << 20, 0)
-    since, late = here.now[1], here.now[2]
-    assert late == deadline(since, 5.0, 16 << 20)
+    here.enter("allreduce", ["grad.fc1"], 0, 1, 16 << 20, 0)
+    since = here.now[1]
+    late = deadline(since, 5.0, 16 << 20)
     assert here.overdue(late - 0.01) is None
     assert here.overdue(late + 0.01) == since
-    assert Whereabouts(timeout_s=0.0).overdue(math.inf) is None
+    forever = Whereabouts(timeout_s=0.0)
+    forever.enter("allreduce", ["grad.fc1"], 0, 1, 16 << 20, 0)
+    assert forever.overdue(time.monotonic() + 1e9) is None
 
 
 def test_a_census_answer_says_where_the_engine_is_and_since_when():
     here = Whereabouts(timeout_s=60.0)
     assert here.answer() == {"phase": "idle", "what": "idle (outside a collective)",
                              "for_s": 0.0}
-    here.enter("allreduce", ["grad.fc1"], 16 << 20, 0)
+    here.enter("allreduce", ["grad.fc1"], 0, 1, 16 << 20, 0)
     answer = here.answer(now=here.now[1] + 61.04)
     assert answer == {"phase": "data", "for_s": 61.0,
                       "what": "in allreduce 'grad.fc1' (16.0 MiB, process set 0)"}
-    here.enter("allgather", ["a", "b", "c", "d", "e"], 100, 2)
+    here.enter("allgather", ["x", "a", "b", "c", "d", "e"], 1, 6, 100, 2)
     assert here.answer()["what"] == ("in allgather 'a', 'b', 'c' and 2 more (100 B, "
                                      "process set 2)")
     here.negotiating(1)
@@ -79,6 +81,6 @@ def test_recording_a_data_call_costs_well_under_a_microsecond():
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(n):
-            here.enter("allreduce", names, 4096, 0)
+            here.enter("allreduce", names, 0, 1, 4096, 0)
         best = min(best, (time.perf_counter() - start) / n)
     assert best < 1e-6, f"{best * 1e9:.0f} ns"

@@ -1,11 +1,13 @@
-"""Run by test_stuck.py under ``hpc-horovod run -np N``: the last rank freezes itself
-(SIGSTOP: its process and its side channel stay, but nothing of it runs) and the others must
-not wait for ever. The first argument says where it freezes:
+"""Run by test_stuck.py under ``hpc-horovod run -np N``: one rank (the second argument; the
+last one by default) freezes itself (SIGSTOP: its process and its side channel stay, but
+nothing of it runs) and the others must not wait for ever. The first argument says where it
+freezes:
 
 * ``allreduce`` / ``broadcast`` / ``allgather``: inside the backend's data call of the op named
   ``frozen.op`` (the backend method is wrapped on that rank only), while the others are inside
   the blocking MPI call. The job must end non-zero, its output naming the frozen rank and the
-  op, rank 0's summary included.
+  op, rank 0's summary included (or, when rank 0 is the frozen one, the others' messages,
+  which say that rank 0 did not answer).
 * ``negotiation``: between ops, while the others negotiate ``after.freeze``; their wait times
   out, and the error raised to the caller names the frozen rank.
 
@@ -31,7 +33,8 @@ from hpc_horovod.common.errors import HorovodInternalError
 scenario = sys.argv[1]
 out = Path(os.environ["STUCK_DIR"])
 hvd.init()
-RANK, FROZEN = hvd.rank(), hvd.size() - 1
+RANK = hvd.rank()
+FROZEN = int(sys.argv[2]) if len(sys.argv) > 2 else hvd.size() - 1
 (out / f"pid.{RANK}").write_text(str(os.getpid()))
 for step in range(5):
     hvd.allreduce(np.ones(1024, np.float32), name=f"warm.{step}")

@@ -41,11 +41,11 @@ def test_a_failing_rank_ends_the_srun_step(slurm, scenario, monkeypatch, tmp_pat
 
 
 def test_a_rank_frozen_inside_an_allreduce_ends_the_srun_step(slurm, tmp_path):
-    """tests/parallel/test_stuck.py's first scenario under srun: rank 1 stops itself inside the
+    """A scenario of tests/parallel/test_stuck.py under srun: rank 1 stops itself inside the
     allreduce's data call, rank 0's watch names it, and srun kills the stopped task once rank 0
     exits."""
     proc = slurm.run(["srun", "-N", "2", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1",
-                      sys.executable, STUCK_WORKER, "allreduce"], timeout=250,
+                      sys.executable, STUCK_WORKER, "allreduce", "1"], timeout=250,
                      env={**STUCK_ENV, "STUCK_DIR": str(tmp_path)})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out

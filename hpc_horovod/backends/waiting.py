@@ -31,8 +31,9 @@ class RequestWaiter:
 
     def wait(self, req, timeout_s: float, what: str, alarm=None) -> None:
         """Return once ``req`` completes; raise HorovodInternalError after ``timeout_s``
-        (0: never) naming ``what`` was waited for, or ``alarm.error`` as soon as it is set
-        (a peer was lost or failed: see ``common.watch``).
+        (0: never) naming ``what`` was waited for and, through ``alarm.census``, the ranks
+        that did not answer; or ``alarm.error`` as soon as it is set (a peer was lost or
+        failed: see ``common.watch``).
 
         A wait that ends without the request (a timeout, the alarm, an interrupt such as
         KeyboardInterrupt or a signal handler's exception) gives the request up for good: it
@@ -60,10 +61,16 @@ class RequestWaiter:
                 os.sched_yield()
                 continue
             if timeout_s and now - start > timeout_s:
-                raise HorovodInternalError(
-                    f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s "
-                    f"({what}): a peer process is blocked outside Python, or its host stopped "
-                    "answering (raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops "
-                    "for longer)"
-                )
+                raise self._timed_out(timeout_s, what, alarm)
             time.sleep(20e-6 if now - start < 0.01 else 200e-6)
+
+    def _timed_out(self, timeout_s: float, what: str, alarm) -> HorovodInternalError:
+        """The error of a wait past its deadline: with a side channel (``alarm.census``, see
+        ``common.watch``) it names the ranks that did not answer and where the others are."""
+        census = getattr(alarm, "census", None)
+        where = (census() if census is not None else "a peer process is blocked outside "
+                 "Python, or its host stopped answering")
+        return HorovodInternalError(
+            f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s ({what}): "
+            f"{where} (raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for "
+            "longer)")

@@ -113,7 +113,8 @@ class Runtime:
         if topo.size > 1:
             from .watch import PeerWatch
 
-            self.watch = PeerWatch(composed.comm, self._peer_failed)
+            self.watch = PeerWatch(composed.comm, self._peer_failed, engine.whereabouts)
+            engine.use_census(self.watch.census)
             engine.on_local_error = lambda error: self.tell_peers(str(error).splitlines()[0])
         #: id -> the ProcessSet object handed to the user (0: the global set)
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
@@ -151,11 +152,12 @@ class Runtime:
             self.watch.tell(reason)
 
     def _peer_failed(self, text: str, culprit: str, lost: bool, first: bool) -> None:
-        """From the watch's thread: a peer failed (``text`` says why) or was lost. The engine
-        stops with the error, so that pending and later ops raise it. A lost rank breaks MPI's
-        world for good: if the script has not ended by itself ``LOST_GRACE_S`` later (its error
-        caught, or a thread blocked in MPI), the process ends, non-zero, as its launcher would
-        end it with ``--kill-on-bad-exit``."""
+        """From the watch's thread: a peer failed (``text`` says why), was lost, or a data
+        call is stuck (a census named who is frozen and where the others are). The engine
+        stops with the error, so that pending and later ops raise it. A lost rank, or a data
+        call that never returns, breaks MPI's world for good: if the script has not ended by
+        itself ``LOST_GRACE_S`` later (its error caught, or a thread blocked in MPI), the
+        process ends, non-zero, as its launcher would end it with ``--kill-on-bad-exit``."""
         error = HorovodInternalError(f"{SHUT_DOWN} {text}")
         error.culprit = culprit
         error.peer_lost = lost

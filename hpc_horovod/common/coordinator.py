@@ -61,6 +61,7 @@ from .negotiation import (
     unpack_words,
 )
 from .request import Request
+from .whereabouts import Whereabouts
 
 _FULL = FLAG_UNCACHED | FLAG_SHUTDOWN | FLAG_STALL | FLAG_ABORT
 
@@ -115,13 +116,16 @@ def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool]:
 class Coordinator:
     """Runs the protocol above, one set at a time. ``complete(req, error=None)`` completes a
     request; ``has_work()`` says whether this rank has requests queued or pending;
-    ``alarm.error`` is set when a peer failed or was lost."""
+    ``alarm.error`` is set when a peer failed or was lost; ``whereabouts`` says, to a census
+    of the ranks, which set this rank negotiates on (``common.whereabouts``)."""
 
-    def __init__(self, execution: Execution, complete: Callable, has_work: Callable, alarm):
+    def __init__(self, execution: Execution, complete: Callable, has_work: Callable, alarm,
+                 whereabouts: Whereabouts):
         self._execution = execution
         self._complete = complete
         self._has_work = has_work
         self._alarm = alarm
+        self._whereabouts = whereabouts
         #: the current cycle had something to do, here or on a peer (the engine's back-off)
         self.worked = False
         #: set when peers shut down while this rank had nothing pending: what a later op raises
@@ -153,6 +157,7 @@ class Coordinator:
             or_flags |= FLAG_SHUTDOWN
         and_flags = FLAG_JOINED if joined else 0
         words = pack_words(or_flags, and_flags, bits, cache.nwords)
+        self._whereabouts.negotiating(ps.id)
         backend.negotiate(words, settings.peer_timeout_s, self._alarm)
         or_all, and_all, ready_bits = unpack_words(words)
         all_joined = bool(and_all & FLAG_JOINED)
@@ -241,6 +246,7 @@ class Coordinator:
 
     def _finish_join(self, ps: ProcessSetState, settings: Settings) -> None:
         """Step 4's end: every member joined."""
+        self._whereabouts.negotiating(ps.id)
         cycles = ps.backend.allgather_ints(np.array([ps.join_cycle], dtype=np.int64),
                                            settings.peer_timeout_s, self._alarm)[:, 0]
         last = max(range(len(cycles)), key=lambda r: (cycles[r], r))

@@ -31,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..backends.waiting import abandoned
 from .config import Settings
@@ -40,6 +41,7 @@ from .execution import Execution
 from .interrupts import HeldSignals
 from .patience import waiting_caller
 from .request import Request
+from .whereabouts import IDLE, Whereabouts
 
 log = logging.getLogger("hpc_horovod")
 #: the longest an idle engine waits between cycles (see Engine._loop)
@@ -64,12 +66,15 @@ class State(enum.Enum):
 
 class _Alarm:
     """Set by the thread that watches the peers (``common.watch``) when one failed or was
-    lost; every wait of a cycle gives up with it, and so does the next cycle."""
+    lost; every wait of a cycle gives up with it, and so does the next cycle. ``census``,
+    when the ranks have a side channel: a wait that times out calls it for one line naming
+    the ranks that did not answer and where the others are (``PeerWatch.census``)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "census")
 
     def __init__(self):
         self.error: HorovodInternalError | None = None
+        self.census: Callable[[], str] | None = None
 
 
 class _Synchronous:
@@ -127,9 +132,11 @@ class Engine:
         self._state = State.RUNNING
         self._error: HorovodInternalError | None = None
         self._alarm = _Alarm()
+        #: where this engine is: the watch bounds its data calls and answers censuses with it
+        self.whereabouts = Whereabouts(settings.peer_timeout_s)
         self._coordinator = Coordinator(
-            Execution(self._control, self._complete, self._forget_done), self._complete,
-            self._has_work, self._alarm)
+            Execution(self._control, self._complete, self._forget_done, self.whereabouts),
+            self._complete, self._has_work, self._alarm, self.whereabouts)
         #: called once with the error when this engine stops on an error of its own (not one
         #: every rank reached together, not a peer's): the peers must learn it
         self.on_local_error = None
@@ -320,6 +327,11 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
+    def use_census(self, census: Callable[[], str]) -> None:
+        """The side channel's census (``PeerWatch.census``): a wait for peers that times out
+        names the ranks that did not answer, and where the others are, with it."""
+        self._alarm.census = census
+
     def peer_failed(self, error: HorovodInternalError) -> None:
         """A peer failed or was lost (from the watch's thread): the cycle under way gives up
         and the engine stops with ``error``; the next op raises it."""
@@ -458,6 +470,8 @@ class Engine:
             if threading.current_thread() is not self._thread:
                 raise
             log.exception("hpc_horovod engine failed")
+        finally:
+            self.whereabouts.now = IDLE
 
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;

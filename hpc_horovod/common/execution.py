@@ -43,6 +43,7 @@ from .collectives import (
 from .errors import HorovodInternalError
 from .request import Request
 from .types import HALF_DTYPES, Adasum, Average, Signature, Sum
+from .whereabouts import Whereabouts
 
 try:  # optional native fast path (src_native/); the package works without it
     from .. import _native  # type: ignore[attr-defined]
@@ -87,11 +88,12 @@ RUNNERS: dict[str, Callable] = {
 class Plan:
     """How one set of agreed tensors executes, identically on every rank: their names and
     signatures in execution order, and the steps, each a slice of them:
-    ``(kind, activity, start, stop, FusedAllreduce or None)``, ``kind`` a key of
-    :data:`RUNNERS` or ``"control"``. Allreduces come first, fused per dtype/op/scales up to
-    the fusion threshold, then allgathers (host, then device), then the other collectives one
-    by one. ``order[i]`` is the position, in the lists the plan was built from, of its i-th
-    tensor.
+    ``(kind, activity, start, stop, FusedAllreduce or None, bytes)``, ``kind`` a key of
+    :data:`RUNNERS` or ``"control"``, ``bytes`` those of this rank's tensors (-1 where their
+    first dimension may differ between ranks: counted when the step runs). Allreduces come
+    first, fused per dtype/op/scales up to the fusion threshold, then allgathers (host, then
+    device), then the other collectives one by one. ``order[i]`` is the position, in the
+    lists the plan was built from, of its i-th tensor.
 
     A training step submits the same gradients every time, so plans of ready sets that came
     from the response cache are kept (``coordinator.ProcessSetState.cached_plan``): the
@@ -118,9 +120,19 @@ class Plan:
             self.order += indices
             fused = FusedAllreduce([sigs[i] for i in indices]) if fuse else None
             activity = sigs[indices[0]].kind.upper()
-            self.steps.append((kind, activity, start, len(self.order), fused))
+            nbytes = _step_bytes([sigs[i] for i in indices])
+            self.steps.append((kind, activity, start, len(self.order), fused, nbytes))
         self.names = [names[i] for i in self.order]
         self.sigs = [sigs[i] for i in self.order]
+
+
+def _step_bytes(sigs: list[Signature]) -> int:
+    """The bytes of a step's tensors (none for a control step or a barrier), or -1 when a
+    first dimension differs between ranks."""
+    sigs = [sig for sig in sigs if isinstance(sig.dtype, np.dtype)]
+    if any(-1 in sig.shape for sig in sigs):
+        return -1
+    return sum(math.prod(sig.shape) * sig.dtype.itemsize for sig in sigs)
 
 
 def _step_kind(sig: Signature) -> str:
@@ -136,18 +148,23 @@ def _step_kind(sig: Signature) -> str:
 class Execution:
     """Runs plans. ``control(ps, sig, req)``: the engine's control steps;
     ``complete(req, error)``: complete a request that failed; ``done(group)``: mark a group's
-    requests done and free their names."""
+    requests done and free their names; ``whereabouts``: where the engine is, which each step
+    updates before it calls the backend (the watch bounds the blocking call with its
+    deadline; what runs after the last step says where it is next: the coordinator's next
+    wait, or the engine's end of the cycle)."""
 
-    def __init__(self, control: Callable, complete: Callable, done: Callable):
+    def __init__(self, control: Callable, complete: Callable, done: Callable,
+                 whereabouts: Whereabouts):
         self._control = control
         self._complete = complete
         self._done = done
+        self._whereabouts = whereabouts
 
     def run(self, ps, plan: Plan, reqs: list[Request | None], timeline) -> None:
         """Run the plan's steps on ``ps`` (a ``coordinator.ProcessSetState``), in the same
         order on every rank."""
-        backend = ps.backend
-        for kind, activity, start, stop, fused in plan.steps:
+        backend, enter = ps.backend, self._whereabouts.enter
+        for kind, activity, start, stop, fused, nbytes in plan.steps:
             sigs, group = plan.sigs[start:stop], reqs[start:stop]
             if kind == "control":
                 def fn(sig=sigs[0], req=group[0]):
@@ -155,6 +172,9 @@ class Execution:
             else:
                 def fn(runner=RUNNERS[kind], sigs=sigs, group=group, fused=fused):
                     runner(backend, sigs, group, fused)
+            if nbytes < 0:  # a gather's result: every rank's share
+                nbytes = len(ps.ranks) * sum(r.tensor.nbytes for r in group if r is not None)
+            enter(kind, plan.names, start, stop, nbytes, ps.id)
             self._run_group(backend, sigs[0].device, group, timeline, activity, fn)
 
     def _run_group(self, backend, device: bool, group: list[Request | None], tl,

@@ -19,6 +19,21 @@ waits for that (``TELL_S`` at most) before it exits, since its launcher may end 
 the moment it does. Rank 0 announces lost ranks as ``{"lost": [ranks]}``. A connection that
 ends without ``bye`` is a lost rank.
 
+The same connections carry a census of the ranks, which names the late ones whenever a rank
+gives up waiting: a negotiation past ``HOROVOD_PEER_TIMEOUT_SECONDS`` (``census``, called by
+the wait: the error it raises then names them), or a blocking data call past its deadline
+(``common.whereabouts``: the peer timeout plus an allowance for the bytes), which this thread
+notices while the engine's thread is blocked in MPI. A rank asks rank 0 ``{"census": answer,
+"fatal": bool}``, ``answer`` being where it is (``{"phase", "what", "for_s"}``); rank 0 asks
+every other rank ``{"where": true}``, and each one's watch thread answers ``{"here": answer}``
+from its engine's whereabouts. After ``CENSUS_S``, or once all answered, rank 0 sends the
+census's one line to the ranks that asked, ``{"census_of": text}``: the ranks that did not
+answer are frozen (stopped, or blocked outside Python). A census for a data call is fatal: a
+blocked MPI call never comes back, so rank 0 sends ``{"stuck": text}`` to every rank, and each
+one stops as for a lost rank (rank 0 prints the job's one-line summary, every process exits
+non-zero). A rank that hears nothing from rank 0 within ``CENSUS_S + HUB_S`` says so, rank 0
+being the hub, and stops the same way when its census was fatal.
+
 The listener is rank 0's; the others learn its addresses (every IPv4 address of its host, or
 only ``HOROVOD_GLOO_IFACE``'s when set, Horovod's variable for the interface of its side
 channel) and a random token through one MPI broadcast at ``init``.
@@ -26,6 +41,7 @@ channel) and a random token through one MPI broadcast at ``init``.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import json
 import os
@@ -38,6 +54,8 @@ import time
 import weakref
 from collections.abc import Callable
 
+from .whereabouts import Whereabouts, census_text
+
 #: how long ``init`` waits for every rank to connect to rank 0
 CONNECT_S = 60.0
 #: how long a failing rank waits for the others to acknowledge its last words
@@ -45,6 +63,13 @@ TELL_S = 5.0
 #: after the first lost connection, how long rank 0 gathers others before announcing them
 #: (a host's ranks end together, and one message should name them all)
 GATHER_LOST_S = 0.3
+#: how long a census waits for the ranks' answers; a rank that has not answered by then is
+#: frozen (its watch thread needs only the GIL for a moment to answer)
+CENSUS_S = 2.0
+#: how much longer a rank that asked for a census waits for rank 0's result
+HUB_S = 2.0
+#: how often the watch thread looks whether the engine's data call is past its deadline
+TICK_S = 0.5
 #: TCP keep-alive for a host that vanishes without closing its connections: idle seconds
 #: before probing, seconds between probes, unanswered probes before the connection is dead
 KEEPALIVE = (4, 2, 3)
@@ -77,7 +102,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 def _close_in_child() -> None:
     for watch in list(_LIVE):
-        for sock in [watch._hub, *watch._peers]:
+        for sock in [watch._hub, *watch._peers, *watch._wake]:
             if sock is not None:
                 sock.close()
 
@@ -102,15 +127,24 @@ class PeerWatch:
     """This rank's end of the side channel (see the module's docstring).
 
     ``on_failure(text, culprit, lost, first)`` runs on the watch's thread when a peer failed
-    (``lost`` False: ``text`` says why) or was lost (``lost`` True); ``culprit`` is the line
-    rank 0 prints for the whole job, ``first`` whether this is the first report.
+    (``lost`` False: ``text`` says why), was lost or a data call is stuck (``lost`` True: the
+    process must end); ``culprit`` is the line rank 0 prints for the whole job, ``first``
+    whether this is the first report. ``whereabouts``: this rank's engine's
+    (``common.whereabouts``), which the census reports and whose data calls are bounded.
     """
 
-    def __init__(self, comm, on_failure: Callable[[str, str, bool], None]):
+    def __init__(self, comm, on_failure: Callable[[str, str, bool, bool], None],
+                 whereabouts: Whereabouts | None = None):
         """Collective over ``comm`` (an mpi4py communicator): connects every rank to rank 0."""
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.hosts: list[str] = comm.allgather(socket.gethostname())
         self._on_failure = on_failure
+        self._whereabouts = whereabouts
+        self._overdue = None  # the start of the data call a census was asked for
+        self._census: dict | None = None  # rank 0: the census under way
+        self._asking: dict | None = None  # the others: the census asked of rank 0
+        self._requests: collections.deque = collections.deque()  # other threads' censuses
+        self._wake = socket.socketpair()  # other threads wake the watch thread with a byte
         self._closing = False
         self._reported = False
         self._lock = threading.Lock()  # one writer at a time on each connection
@@ -137,6 +171,8 @@ class PeerWatch:
         errors = [e for e in comm.allgather(error) if e]
         if errors:
             self.close()
+            for sock in self._wake:
+                sock.close()
             raise RuntimeError("the ranks could not open their connections to rank 0 (used to "
                                "tell a lost rank at once): " + "; ".join(errors[:4]))
         _LIVE.add(self)
@@ -204,6 +240,21 @@ class PeerWatch:
             self._write(self._hub, {"fail": reason})
         self._acked.wait(TELL_S)
 
+    def census(self) -> str:
+        """One line naming the ranks that do not answer and where the others are (see the
+        module's docstring); from any thread but the watch's, within ``CENSUS_S + HUB_S``."""
+        if not self._thread.is_alive():
+            return "the side channel to rank 0 is closed: no census of the ranks"
+        box: list[str] = []
+        done = threading.Event()
+        self._requests.append(lambda text: (box.append(text), done.set()))
+        try:
+            self._wake[1].send(b"x")
+        except OSError:
+            pass
+        done.wait(CENSUS_S + HUB_S + 1.0)
+        return box[0] if box else "the census of the ranks did not complete"
+
     def close(self) -> None:
         """A normal end: the peers will not take this rank's departure for a loss."""
         self._closing = True
@@ -235,14 +286,24 @@ class PeerWatch:
         for sock in socks:
             selector.register(sock, selectors.EVENT_READ)
             buffers[sock] = b""
+        selector.register(self._wake[0], selectors.EVENT_READ)
         departed: set[socket.socket] = set()  # said bye
         lost: list[int] = []
         lost_since = None
         while buffers or lost_since is not None:  # the last peer lost: still announce it
-            timeout = None if lost_since is None else max(
-                0.0, lost_since + GATHER_LOST_S - time.monotonic())
-            for key, _ in selector.select(timeout):
+            ends = [time.monotonic() + TICK_S]
+            if lost_since is not None:
+                ends.append(lost_since + GATHER_LOST_S)
+            for pending in (self._census, self._asking):
+                if pending is not None:
+                    ends.append(pending["until"])
+            for key, _ in selector.select(max(0.0, min(ends) - time.monotonic())):
                 sock = key.fileobj
+                if sock is self._wake[0]:
+                    sock.recv(4096)
+                    while self._requests:
+                        self._ask(self._requests.popleft(), fatal=False)
+                    continue
                 try:
                     data = sock.recv(65536)
                 except OSError:
@@ -269,6 +330,9 @@ class PeerWatch:
                         self._acked.set()
                     elif "lost" in message:
                         self._lost(message["lost"])
+                    else:
+                        self._on_census_message(message, self._peers.get(sock))
+            self._tick()
             if lost_since is not None and time.monotonic() >= lost_since + GATHER_LOST_S:
                 ranks, lost, lost_since = sorted(lost), [], None
                 if self.rank == 0:
@@ -278,6 +342,97 @@ class PeerWatch:
                             self._ack(failed, rank)
                 self._lost(ranks)
         selector.close()
+        for sock in self._wake:
+            sock.close()
+
+    # -- the census ----------------------------------------------------------------------------
+    def _answer(self) -> dict:
+        """Where this rank is, as a census answer."""
+        if self._whereabouts is None:
+            return {"phase": "idle", "what": "idle (no engine)", "for_s": 0.0}
+        return self._whereabouts.answer()
+
+    def _ask(self, callback: Callable[[str], None] | None, fatal: bool) -> None:
+        """Start a census, or join the one under way; ``callback(text)`` gets its line."""
+        now = time.monotonic()
+        if self.rank == 0:
+            census = self._census
+            if census is None:
+                census = self._census = {"until": now + CENSUS_S, "answers": {},
+                                         "askers": set(), "callbacks": [], "fatal": False}
+                self._broadcast({"where": True})
+            census["answers"][0] = self._answer()
+            census["fatal"] |= fatal
+        else:
+            asking = self._asking
+            if asking is None or (fatal and not asking["fatal"]):
+                self._write(self._hub, {"census": self._answer(), "fatal": fatal})
+            if asking is None:
+                asking = self._asking = {"until": now + CENSUS_S + HUB_S, "callbacks": [],
+                                         "fatal": False}
+            asking["fatal"] |= fatal
+            census = asking
+        if callback is not None:
+            census["callbacks"].append(callback)
+
+    def _on_census_message(self, message: dict, sender: int | None) -> None:
+        if "where" in message:
+            self._write(self._hub, {"here": self._answer()})
+        elif "here" in message:
+            if self._census is not None:
+                self._census["answers"][sender] = message["here"]
+        elif "census" in message:
+            self._ask(None, bool(message.get("fatal")))
+            self._census["answers"][sender] = message["census"]
+            self._census["askers"].add(sender)
+        elif "census_of" in message:
+            self._answered(message["census_of"])
+        elif "stuck" in message:
+            self._answered(message["stuck"])
+            self._stuck(message["stuck"])
+
+    def _answered(self, text: str) -> None:
+        """The census this rank asked rank 0 for is in."""
+        asking, self._asking = self._asking, None
+        for callback in asking["callbacks"] if asking is not None else ():
+            callback(text)
+
+    def _tick(self) -> None:
+        """The timers: this rank's data call past its deadline, a census that is complete, or
+        rank 0 silent."""
+        now = time.monotonic()
+        if self._whereabouts is not None:
+            since = self._whereabouts.overdue(now)
+            if since is not None and since != self._overdue:
+                self._overdue = since
+                self._ask(None, fatal=True)
+        census = self._census
+        if census is not None and (len(census["answers"]) == self.size
+                                   or now >= census["until"]):
+            self._census = None
+            text = census_text(self.size, census["answers"], CENSUS_S)
+            for rank in census["askers"]:
+                self._broadcast({"census_of": text}, only=rank)
+            for callback in census["callbacks"]:
+                callback(text)
+            if census["fatal"]:
+                self._broadcast({"stuck": text})
+                self._stuck(text)
+        asking = self._asking
+        if asking is not None and now >= asking["until"]:
+            answer = self._answer()
+            text = (f"rank 0 did not answer within {CENSUS_S + HUB_S:g} s (it is the hub of "
+                    "the census: stopped, or blocked outside Python); this rank "
+                    f"({self.rank}) {answer['what']}"
+                    + ("" if answer["phase"] == "idle" else f" for {answer['for_s']:.0f} s"))
+            self._answered(text)
+            if asking["fatal"]:
+                self._stuck(text)
+
+    def _stuck(self, text: str) -> None:
+        """A data call is stuck somewhere: it never comes back, and the job must end."""
+        self._report(f"A collective did not complete: {text}.",
+                     f"a collective did not complete: {text}", lost=True)
 
     def _failed(self, rank: int, reason: str) -> None:
         self._report(f"Rank {rank} stopped first, with: {reason}",

@@ -185,7 +185,7 @@ def test_allreduces_first_fused_by_dtype_and_op_then_gathers_then_the_rest():
     names = [f"t{i}" for i in range(len(sigs))]
     plan = Plan(names, sigs, threshold=1 << 20)
     steps = [(activity, [plan.order[i] for i in range(start, stop)], fused is not None)
-             for _, activity, start, stop, fused in plan.steps]
+             for _, activity, start, stop, fused, _ in plan.steps]
     assert steps == [
         ("ALLREDUCE", [1, 4], True),
         ("ALLREDUCE", [3], True),
@@ -221,4 +221,4 @@ def test_large_tensors_are_reduced_alone_between_the_fused_small_ones():
     small, large = np.zeros(16, np.float32), np.zeros(SOLO_BYTES // 4, np.float32)
     sigs = [signature_of("allreduce", a, Sum) for a in (small, large, small, large)]
     plan = Plan(["a", "b", "c", "d"], sigs, threshold=64 << 20)
-    assert [plan.order[start:stop] for _, _, start, stop, _ in plan.steps] == [[0, 2], [1], [3]]
+    assert [plan.order[start:stop] for _, _, start, stop, _, _ in plan.steps] == [[0, 2], [1], [3]]

@@ -13,6 +13,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from test_job_end import NAMES_RANK_1, STALL_ENV, WORKER, check_job_end  # noqa: E402
+from test_stuck import BOUND_S as STUCK_BOUND_S  # noqa: E402
+from test_stuck import ENV as STUCK_ENV  # noqa: E402
+from test_stuck import WORKER as STUCK_WORKER  # noqa: E402
+from test_stuck import summary  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 
@@ -34,3 +38,19 @@ def test_a_failing_rank_ends_the_srun_step(slurm, scenario, monkeypatch, tmp_pat
         first = out.index(NAMES_RANK_1[scenario][0])
         assert first <= out.index("job failed:"), out
     print(f"{scenario}: the srun step ended {took:.1f} s after rank 1 failed")
+
+
+def test_a_rank_frozen_inside_an_allreduce_ends_the_srun_step(slurm, tmp_path):
+    """A scenario of tests/parallel/test_stuck.py under srun: rank 1 stops itself inside the
+    allreduce's data call, rank 0's watch names it, and srun kills the stopped task once rank 0
+    exits."""
+    proc = slurm.run(["srun", "-N", "2", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1",
+                      sys.executable, STUCK_WORKER, "allreduce", "1"], timeout=250,
+                     env={**STUCK_ENV, "STUCK_DIR": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "not stopped" not in out, out
+    assert summary(2, "allreduce") in out, out
+    took = time.time() - float((tmp_path / "frozen_at").read_text())
+    assert took < STUCK_BOUND_S, f"{took:.1f} s\n{out}"
+    print(f"the srun step ended {took:.1f} s after rank 1 froze")

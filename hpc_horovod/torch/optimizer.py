@@ -6,12 +6,10 @@ The wrapper is a subclass of the wrapped optimizer's own class (as in Horovod), 
 Gradients are reduced in buckets, as torch's DistributedDataParallel does: the parameters, in
 reverse order (the order backward produces their gradients), fill buckets of one dtype on one
 device, each closed once it holds ``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB; 1 MiB for the
-first bucket of each dtype and device, so that the first reduction starts early, and at most
-1 MiB for the last one, the gradients of the modules backward reaches last, so that the
-reduction nothing overlaps is short). Each bucket owns one flat tensor (in the node's shared
-window with the hierarchical host backend, see ``common.buckets``), and after its first
-reduction every ``p.grad`` of the bucket is a view into it, so that backward accumulates
-straight into the bucket. A hook on each parameter counts the
+first bucket of each dtype and device, so that the first reduction starts early). Each bucket
+owns one flat tensor (in the node's shared window with the hierarchical host backend, see
+``common.buckets``), and after its first reduction every ``p.grad`` of the bucket is a view
+into it, so that backward accumulates straight into the bucket. A hook on each parameter counts the
 gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
@@ -141,19 +139,10 @@ class _Bucket:
                 p.grad = view
 
 
-def _by_kind(params: list, cap: float, first_cap: float, last_cap: float | None = None,
-             together: list | None = None) -> list[list]:
+def _by_kind(params: list, cap: float, first_cap: float) -> list[list]:
     """``params`` in order, in buckets of one dtype and device (``common.buckets.assign``)."""
     items = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
-    return [[params[i] for i in bucket]
-            for bucket in buckets.assign(items, cap, first_cap, last_cap, together)]
-
-
-def _layer(name: str) -> str:
-    """The module a parameter belongs to, from its name in ``named_parameters``
-    (``layer1.0.conv1.weight`` -> ``layer1.0.conv1``): backward produces the gradients of one
-    module's parameters together."""
-    return name.rpartition(".")[0] or name
+    return [[params[i] for i in bucket] for bucket in buckets.assign(items, cap, first_cap)]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -164,7 +153,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  process_set=global_process_set):
         self._base_class.__init__(self, params)
         self._compression = compression
-        self._named = named_parameters is not None
         self._parameter_names = _parameter_names(self, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
@@ -205,11 +193,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         if self._groups is None:
             cap = buckets.bucket_bytes()
-            # Without named_parameters, the default names say nothing of modules.
-            together = ([_layer(self._parameter_names[p]) for p in params[::-1]]
-                        if self._named else None)
-            groups = _by_kind(params[::-1], cap, min(cap, buckets.FIRST_BUCKET_BYTES),
-                              min(cap, buckets.LAST_BUCKET_BYTES), together)
+            groups = _by_kind(params[::-1], cap, min(cap, buckets.FIRST_BUCKET_BYTES))
         else:
             # Every rank must form the same groups: order the parameters as rank 0 does.
             order = broadcast_object([self._parameter_names[p] for p in params], root_rank=0,

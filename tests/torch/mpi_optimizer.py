@@ -222,24 +222,6 @@ def test_buckets_with_fp16_compression(default_knobs_after):
     assert all(torch.allclose(p, q, rtol=1e-3, atol=1e-3) for p, q in zip(*compressed))
 
 
-@pytest.mark.parametrize("named", [True, False])
-def test_the_last_layer_has_a_bucket_of_its_own(named):
-    """Three layers of 1 MiB: the first bucket closes after the last layer, and the first layer
-    (which backward reaches last) goes alone, so that the middle one starts before it; with
-    names, its bias stays with its weight, which backward produces with it."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters() if named else None)
-    layers = [[m.bias, m.weight] for m in reversed(model)]
-    expected = layers if named else [layers[0], layers[1] + [layers[2][0]], [layers[2][1]]]
-    assert [b.params for b in opt._buckets] == expected
-    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(R))
-    model(x).sum().backward()
-    opt.step()
-    assert_identical_on_all_ranks(model, "three layers")
-
-
 def test_bad_bucket_size_is_named(monkeypatch):
     hvd.shutdown()
     monkeypatch.setenv("HOROVOD_BUCKET_BYTES", "25MB")

@@ -2,9 +2,9 @@
 
 The negotiation collective is non-blocking and polled with a short back-off (:mod:`.waiting`),
 so a peer that died or stopped answering becomes an error instead of a hang. The data
-collectives are blocking calls, several times faster than Open MPI's non-blocking ones from
-64 KiB up; the engine records each one's deadline and the watch's thread bounds it
-(``common.whereabouts``, ``common.watch``).
+collectives are blocking calls, which Open MPI runs with faster algorithms than its
+non-blocking ones for all but small buffers; the engine records each one's deadline and the
+watch's thread bounds it (``common.whereabouts``, ``common.watch``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Where this rank's engine is, for the watch (``common.watch``): the deadline of the data call
 it is inside, and what it answers to a census of the ranks.
 
-The data collectives are blocking MPI calls with no deadline of their own (a non-blocking
-collective is several times slower from 64 KiB up), so a peer frozen inside one (stopped, or
-blocked in the kernel or in C while holding the GIL), whose side channel stays open, would
-leave the others waiting for ever. The execution records each step it hands to the backend
-(:meth:`Whereabouts.enter`, one tuple stored, no lock: the watch's thread reads it whole; the
-coordinator records each negotiation, and the engine the end of each cycle), and
-the watch's thread, which runs while the engine's thread is blocked in MPI (mpi4py lets go of
-the GIL there), notices a call past its deadline (:func:`deadline`). The census it then runs
+The data collectives are blocking MPI calls with no deadline of their own (Open MPI's
+non-blocking collectives are slower for all but small buffers), so a peer frozen inside one
+(stopped, or blocked in the kernel or in C while holding the GIL), whose side channel stays
+open, would leave the others waiting for ever. The execution records each step it hands to the
+backend (:meth:`Whereabouts.enter`, one tuple stored, no lock: the watch's thread reads it
+whole; the coordinator records each negotiation, and the engine the end of each cycle), and the
+watch's thread, which runs while the engine's thread is blocked in MPI (mpi4py lets go of the
+GIL there), notices a call past its deadline (:func:`deadline`). The census it then runs
 asks every rank where it is (:meth:`Whereabouts.answer`) and names, in one line
 (:func:`census_text`), the ranks that did not answer and where each of the others is.
 """

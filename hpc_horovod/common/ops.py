@@ -15,13 +15,13 @@ from . import basics
 from .basics import global_process_set
 from .request import (
     Request,
-    _ps_id,
     allgather_request,
     allreduce_request,
     alltoall_request,
     broadcast_request,
     control_signature,
     group_names,
+    process_set_id,
     reducescatter_request,
 )
 
@@ -90,7 +90,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(tensors: Sequence, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> list[int]:
-    names = group_names(name, len(tensors), _ps_id(process_set), "allreduce")
+    names = group_names(name, len(tensors), process_set_id(process_set), "allreduce")
     reqs = [allreduce_request(_array(t, "allreduce"), name=n, op=op, average=average,
                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                               process_set=process_set) for t, n in zip(tensors, names)]
@@ -118,7 +118,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> np.ndarray:
 
 def grouped_allgather_async(tensors: Sequence, name=None,
                             process_set=global_process_set) -> list[int]:
-    names = group_names(name, len(tensors), _ps_id(process_set), "allgather")
+    names = group_names(name, len(tensors), process_set_id(process_set), "allgather")
     return submit([allgather_request(_array(t, "allgather"), name=n, process_set=process_set)
                    for t, n in zip(tensors, names)])
 
@@ -185,7 +185,7 @@ def reducescatter(tensor, name=None, op=None, process_set=global_process_set,
 def grouped_reducescatter_async(tensors: Sequence, name=None, op=None,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> list[int]:
-    names = group_names(name, len(tensors), _ps_id(process_set), "reducescatter")
+    names = group_names(name, len(tensors), process_set_id(process_set), "reducescatter")
     return submit([reducescatter_request(_array(t, "reducescatter"), name=n, op=op,
                                          process_set=process_set,
                                          prescale_factor=prescale_factor,
@@ -202,7 +202,7 @@ def grouped_reducescatter(tensors: Sequence, name=None, op=None, process_set=glo
 
 @synchronous
 def barrier(process_set=global_process_set) -> None:
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     synchronize(submit_one(Request(basics.next_name(ps_id, "barrier"), None,
                                    control_signature("barrier"), ps_id)))
 
@@ -213,7 +213,7 @@ def join(device: int = -1, process_set=global_process_set) -> int:
 
     Returns the rank that joined last (for uneven data: ranks with fewer batches join early).
     """
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     return synchronize(submit_one(Request("join", None, control_signature("join"), ps_id)))
 
 
@@ -233,7 +233,7 @@ def synchronize(handle: int):
 def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
     """Broadcast any picklable object (cloudpickle) from ``root_rank`` (a global rank)."""
     ps = process_set
-    name = name or basics.next_name(_ps_id(ps), "broadcast_object")
+    name = name or basics.next_name(process_set_id(ps), "broadcast_object")
     if basics.rank() == root_rank:
         payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
         length = np.array([payload.size], dtype=np.int64)
@@ -248,7 +248,7 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Gather any picklable object from every rank, in rank order."""
-    name = name or basics.next_name(_ps_id(process_set), "allgather_object")
+    name = name or basics.next_name(process_set_id(process_set), "allgather_object")
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sz",
                       process_set=process_set)

@@ -100,7 +100,8 @@ def _global_set():
     return global_process_set
 
 
-def _ps_id(process_set) -> int:
+def process_set_id(process_set) -> int:
+    """The id of ``process_set`` (None: the global set's, 0); ValueError once it was removed."""
     if process_set is None:
         return 0
     ps_id = process_set.process_set_id
@@ -124,7 +125,7 @@ def allreduce_request(array: np.ndarray, *, name=None, op=None, average=None,
         op = resolve_op(op, average)
     ps_id = 0 if process_set is None else process_set.process_set_id
     if ps_id is None or name is None:
-        ps_id = _ps_id(process_set)
+        ps_id = process_set_id(process_set)
         name = _name(name, ps_id, "allreduce")
     sig = signature_of("allreduce", array, op, -1, prescale_factor, postscale_factor)
     return Request(name, array, sig, ps_id, output)
@@ -138,7 +139,7 @@ def group_names(name: str | None, n: int, ps_id: int, kind: str) -> list[str]:
 def allgather_request(array: np.ndarray, *, name=None, process_set=None):
     if array.ndim == 0:
         array = array.reshape(1)
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     return Request(_name(name, ps_id, "allgather"), array, signature_of("allgather", array),
                    ps_id)
 
@@ -147,7 +148,7 @@ def broadcast_request(array: np.ndarray, root_rank: int, *, name=None,
                       process_set=None, output=None) -> Request:
     """``root_rank`` is a global rank, as in Horovod; it must belong to ``process_set``."""
     process_set = _global_set() if process_set is None else process_set
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     sig = signature_of("broadcast", array, root=process_set.rank_of(root_rank))
     return Request(_name(name, ps_id, "broadcast"), array, sig, ps_id, output)
 
@@ -158,7 +159,7 @@ def alltoall_request(array: np.ndarray, splits=None, *, name=None,
     if array.ndim == 0:
         array = array.reshape(1)
     process_set = _global_set() if process_set is None else process_set
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     n = process_set.size()
     if splits is not None:
         splits = np.asarray(splits, dtype=np.int64).reshape(-1)
@@ -184,6 +185,6 @@ def reducescatter_request(array: np.ndarray, *, name=None, op=None,
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     if op == Adasum:
         raise ValueError("reducescatter does not support Adasum")
-    ps_id = _ps_id(process_set)
+    ps_id = process_set_id(process_set)
     sig = signature_of("reducescatter", array, op, -1, prescale_factor, postscale_factor)
     return Request(_name(name, ps_id, "reducescatter"), array, sig, ps_id)

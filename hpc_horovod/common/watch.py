@@ -54,7 +54,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .whereabouts import Whereabouts, census_text
+from .whereabouts import Whereabouts, census_text, rank_list
 
 #: how long ``init`` waits for every rank to connect to rank 0
 CONNECT_S = 60.0
@@ -195,7 +195,7 @@ class PeerWatch:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(1, self.size)) - set(self._peers.values()))
-                raise TimeoutError(f"rank(s) {_ranks(missing)} did not connect within "
+                raise TimeoutError(f"rank(s) {rank_list(missing)} did not connect within "
                                    f"{CONNECT_S:g} s")
             listener.settimeout(left)
             conn, _ = listener.accept()
@@ -463,7 +463,7 @@ class PeerWatch:
         hosts = sorted({self.hosts[r] for r in ranks})
         where = (f"on host {hosts[0]}" if len(hosts) == 1
                  else "on hosts " + ", ".join(hosts))
-        text = (f"rank(s) {_ranks(ranks)} {where} ended without a word (killed, out of memory, "
+        text = (f"rank(s) {rank_list(ranks)} {where} ended without a word (killed, out of memory, "
                 "or their node failed)")
         self._report(f"Lost {text}.", f"lost {text}", lost=True)
 
@@ -485,9 +485,3 @@ def _hello(conn: socket.socket, limit: int = 4096) -> bytes:
             break
         line += byte
     return line
-
-
-def _ranks(ranks) -> str:
-    ranks = list(ranks)
-    shown = ", ".join(map(str, ranks[:16]))
-    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

@@ -96,10 +96,15 @@ class Whereabouts:
         return {"phase": phase, "what": what, "for_s": round(now - since, 1)}
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks) -> str:
+    """``0, 1, 2``: at most 16 ranks shown, then how many more."""
+    ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:16]))
-    return ("rank " if len(ranks) == 1 else "ranks ") + shown + (
-        f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + rank_list(ranks)
 
 
 def census_text(size: int, answers: dict[int, dict], waited_s: float) -> str:

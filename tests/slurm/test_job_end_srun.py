@@ -5,6 +5,7 @@ own message comes first, and rank 0 closes with a one-line summary."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,11 +41,14 @@ def test_a_failing_rank_ends_the_srun_step(slurm, scenario, monkeypatch, tmp_pat
     print(f"{scenario}: the srun step ended {took:.1f} s after rank 1 failed")
 
 
-def test_a_rank_frozen_inside_an_allreduce_ends_the_srun_step(slurm, tmp_path):
+@pytest.mark.parametrize("kill_on_bad_exit", [1, 0])
+def test_a_rank_frozen_inside_an_allreduce_ends_the_srun_step(slurm, tmp_path, kill_on_bad_exit):
     """A scenario of tests/parallel/test_stuck.py under srun: rank 1 stops itself inside the
-    allreduce's data call, rank 0's watch names it, and srun kills the stopped task once rank 0
-    exits."""
-    proc = slurm.run(["srun", "-N", "2", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1",
+    allreduce's data call and rank 0's watch names it. With ``--kill-on-bad-exit=1`` srun kills
+    the stopped task once rank 0 exits; without it (SLURM's default) srun would wait for the
+    stopped task until the time limit, so rank 0 cancels its step on the way out."""
+    proc = slurm.run(["srun", "-N", "2", "-n", "2", "--mpi=pmix",
+                      f"--kill-on-bad-exit={kill_on_bad_exit}",
                       sys.executable, STUCK_WORKER, "allreduce", "1"], timeout=250,
                      env={**STUCK_ENV, "STUCK_DIR": str(tmp_path)})
     out = proc.stdout + proc.stderr
@@ -53,4 +57,7 @@ def test_a_rank_frozen_inside_an_allreduce_ends_the_srun_step(slurm, tmp_path):
     assert summary(2, "allreduce") in out, out
     took = time.time() - float((tmp_path / "frozen_at").read_text())
     assert took < STUCK_BOUND_S, f"{took:.1f} s\n{out}"
-    print(f"the srun step ended {took:.1f} s after rank 1 froze")
+    if not kill_on_bad_exit:
+        assert re.search(r"ending step \d+\.\d+ \(scancel\)", out), out
+    print(f"--kill-on-bad-exit={kill_on_bad_exit}: the srun step ended {took:.1f} s after "
+          "rank 1 froze")

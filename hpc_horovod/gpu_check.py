@@ -305,7 +305,8 @@ class GpuCheck:
     # -- bandwidth -----------------------------------------------------------------------------
     def bandwidth(self, sizes_mib=GPU_SIZES_MIB, iterations: int = 20):
         """(MiB, hvd seconds, raw NCCL seconds or None) per size: in-place float32 sums of the
-        same buffer, back to back, ended by a device synchronization."""
+        same buffer, back to back, ended by a device synchronization. The op has a name, as a
+        training step's buckets do: an unnamed op is new to the response cache every time."""
         hvd, torch = self.hvd, self.torch
         try:
             raw = self._raw_nccl()
@@ -315,7 +316,8 @@ class GpuCheck:
         rows = []
         for mib in sizes_mib:
             buf = torch.ones((mib << 20) // 4, device=self.dev)
-            hvd_s = self._time(lambda b=buf: hvd.allreduce_(b, op=hvd.Sum), iterations)
+            hvd_s = self._time(lambda b=buf, n=f"gpu_check.bandwidth.{mib}":
+                               hvd.allreduce_(b, op=hvd.Sum, name=n), iterations)
             raw_s = None
             if comm is not None:
                 buf.fill_(1.0)
@@ -333,15 +335,15 @@ class GpuCheck:
     def _time(self, call, iterations: int) -> float:
         import time
 
-        torch = self.torch
+        sync = self.torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
         for _ in range(3):
             call()
-        torch.cuda.synchronize()
+        sync()
         self.hvd.barrier()
         start = time.perf_counter()
         for _ in range(iterations):
             call()
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - start) / iterations
 
     def _raw_nccl(self):

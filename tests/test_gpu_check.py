@@ -5,6 +5,7 @@ a failure on a GPU then points at the device path. Nothing here touches CUDA."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,36 @@ def test_the_gpu_table_shows_versions_failures_and_bandwidth():
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in multi_rank_note(23001, 1)
     assert "refuses two ranks" in multi_rank_note(22903, 1)
     assert "one rank per GPU" in multi_rank_note(22903, 4)
+
+
+def test_the_bandwidth_rows_time_named_allreduces_on_cpu_tensors():
+    """The bandwidth loop of ``check-build --gpu`` on CPU tensors, one process: a row per size,
+    hpc_horovod's time positive, no raw NCCL to compare with (no CuPy here), and every call
+    of a size under one name (cached after its first negotiation, as a training step's
+    buckets are; an unnamed op would be negotiated in full every time)."""
+    import torch
+
+    import hpc_horovod.torch as hvd
+    from hpc_horovod.gpu_check import GpuCheck
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: the raw NCCL column would be measured")
+    names = []
+
+    class Recording:
+        def __getattr__(self, attr):
+            return getattr(hvd, attr)
+
+        def allreduce_(self, tensor, **kwargs):
+            names.append(kwargs.get("name"))
+            return hvd.allreduce_(tensor, **kwargs)
+
+    hvd.init()
+    try:
+        rows = GpuCheck(Recording(), torch, device="cpu").bandwidth(sizes_mib=(1, 2),
+                                                                    iterations=3)
+    finally:
+        hvd.shutdown()
+    assert [mib for mib, _, _ in rows] == [1, 2]
+    assert all(hvd_s > 0 and raw_s is None for _, hvd_s, raw_s in rows)
+    assert names == ["gpu_check.bandwidth.1"] * 6 + ["gpu_check.bandwidth.2"] * 6

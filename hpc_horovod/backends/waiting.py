@@ -49,7 +49,7 @@ class RequestWaiter:
 
     def _wait(self, req, timeout_s: float, what: str, alarm) -> None:
         start = time.perf_counter()
-        spin_until = start + 50e-6
+        spin_until = start + patience.spin_s()
         yield_until = start + patience.yield_s()
         while not req.Test():
             now = time.perf_counter()

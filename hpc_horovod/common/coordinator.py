@@ -126,8 +126,6 @@ class Coordinator:
         self._has_work = has_work
         self._alarm = alarm
         self._whereabouts = whereabouts
-        #: the current cycle had something to do, here or on a peer (the engine's back-off)
-        self.worked = False
         #: set when peers shut down while this rank had nothing pending: what a later op raises
         self.stopped_by_peers: HorovodInternalError | None = None
 
@@ -137,8 +135,6 @@ class Coordinator:
         backend, cache, pending = ps.backend, ps.cache, ps.pending
         or_flags, bits = 0, 0
         joined = ps.join_request is not None
-        if pending or joined:
-            self.worked = True
         if joined:
             bits = cache.valid_bits()
         cached, uncached = _cache_bits(pending, cache.entries)
@@ -163,8 +159,6 @@ class Coordinator:
         all_joined = bool(and_all & FLAG_JOINED)
 
         plan, reqs = None, []
-        if ready_bits or or_all:
-            self.worked = True  # peers are busy: stay responsive
         if ready_bits and not all_joined:
             plan = ps.cached_plan(ready_bits, settings.fusion_threshold)
             pop = pending.pop

@@ -429,17 +429,19 @@ class Engine:
                 # completed it (see wait): nothing is left for peers to wait on.
                 ran = not stopped and not (woken and self._idle())
                 if ran:
-                    self._coordinator.worked = False
                     self._guarded_cycle()
             if stopped:
                 break
             if not ran:
                 continue
-            # Idle cycles only keep peers company (stall reports, shutdown, a late peer):
-            # back off so that an idle engine does not take the GIL from the training
-            # thread a thousand times a second. A submission wakes it at once anyway.
-            worked = self._coordinator.worked
-            idle_s = cycle_s if worked else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+            # While this rank has work pending, a peer that submits it later needs this
+            # rank's next negotiation soon: cycle every HOROVOD_CYCLE_TIME. Otherwise cycles
+            # only keep peers company (stall reports, shutdown, a peer that never submits):
+            # a peer's work cannot be ready before this rank submits it too, and a submission
+            # wakes the engine at once. So an engine with nothing of its own backs off, even
+            # right after work, and does not take the core from the training thread (or make
+            # a peer's engine wait for it) between a training step's buckets.
+            idle_s = cycle_s if self._has_work() else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
 
     def _has_work(self) -> bool:
         """Some request of this rank is queued or pending (a join included)."""

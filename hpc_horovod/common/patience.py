@@ -11,6 +11,8 @@ the training, so it sleeps.
 
 from __future__ import annotations
 
+#: How long a wait that keeps its core spins first (a peer a few microseconds away).
+SPIN_S = 50e-6
 #: How long a wait that keeps its core yields before it sleeps after all.
 YIELD_S = 10e-3
 
@@ -37,6 +39,12 @@ waiting_caller = _Caller()
 def keeps_core() -> bool:
     """Whether waits for peers keep the core now: some thread of this rank waits for a result."""
     return _waiting > 0
+
+
+def spin_s() -> float:
+    """How long a wait for peers starting now spins before it yields or sleeps: a short
+    ``SPIN_S`` while it keeps the core, else 0 (a spin would take the core from the training)."""
+    return SPIN_S if keeps_core() else 0.0
 
 
 def yield_s() -> float:

@@ -67,6 +67,28 @@ def test_waits_yield_the_core_while_a_thread_waits_and_sleep_otherwise(monkeypat
     assert not patience.keeps_core()
 
 
+def test_a_wait_nobody_waits_for_sleeps_at_once(monkeypatch):
+    """In the background the training computes on the same core: no spin before the first
+    sleep (a spin there takes the core from it), only the one look that found the peer late."""
+    request = _LateRequest(0.005)
+    tests, looks_before_sleeping = request.Test, []
+
+    def counted() -> bool:
+        looks_before_sleeping.append(1)
+        return tests()
+
+    request.Test = counted
+    sleep = time.sleep
+
+    def first_sleep(s: float) -> None:
+        looks_before_sleeping.append("sleep")
+        sleep(s)
+
+    monkeypatch.setattr(waiting.time, "sleep", first_sleep)
+    waiting.RequestWaiter(2).wait(request, 1.0, "a late peer")
+    assert looks_before_sleeping.index("sleep") == 2  # wait()'s look, then the loop's
+
+
 def test_a_caller_keeps_yielding_only_so_long(monkeypatch):
     monkeypatch.setattr(patience, "YIELD_S", 0.002)
     sleeps = []

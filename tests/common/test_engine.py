@@ -182,3 +182,26 @@ def test_cycles_keep_the_core_while_a_caller_waits_and_not_in_the_background():
         assert backend.negotiations[1] == ("hpc_horovod-engine", False)
     finally:
         engine.shutdown()
+
+
+def test_an_engine_with_nothing_pending_backs_off_right_after_work():
+    """Between a training step's ops the engine thread has nothing of its own: a peer's work
+    cannot be ready before this rank submits it (and a submission wakes the thread), so it
+    does not go back to a cycle every HOROVOD_CYCLE_TIME after each op, which would take the
+    core from the training and make the peers' engines wait for it."""
+    backend = _PatienceBackend()
+    engine = Engine(backend, Settings(cycle_time_ms=1))
+    engine.start()
+    try:
+        time.sleep(0.2)  # backed off to the longest idle wait
+        gaps, idle = 10, 0
+        for i in range(gaps):
+            handle = engine.submit(allreduce(f"op{i}", np.ones(3)))
+            _wait_for(lambda h=handle: engine.poll(h), "the engine thread to complete it")
+            done = len(backend.negotiations)
+            time.sleep(0.02)  # a step's compute
+            idle += len(backend.negotiations) - done
+        # a cycle every HOROVOD_CYCLE_TIME, backing off from there, makes four or more a gap
+        assert idle <= gaps // 2, f"{idle} idle cycles in {gaps} gaps of 20 ms after work"
+    finally:
+        engine.shutdown()

@@ -89,6 +89,15 @@ def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
             if at:
                 rows.append([f"{case}, 16 MiB: time / {sweep['baseline']}'s", at[0]["ratio"],
                              goal])
+        # A private buffer reduced in place through shared memory is read twice and written
+        # twice on every rank (the peers' slices staged out and their results copied back,
+        # its own slice reduced): no such allreduce beats two passes over it in place.
+        one_pass = [r for r in sweep["rows"]
+                    if r["bytes"] == 16 * MIB and r["case"] == "bound: one pass in place"]
+        if one_pass and one_pass[0]["ratio"]:
+            rows.append(["Floor of hvd.allreduce_ through shared memory (two passes in place: "
+                         f"the buffer read and written twice), 16 MiB: time / "
+                         f"{sweep['baseline']}'s", 2 * one_pass[0]["ratio"], "-"])
         small = allreduce["sections"]["small"]
         for r in small["rows"]:
             if r["case"].startswith("hvd"):
@@ -183,7 +192,12 @@ def training_lines(result: dict) -> list[str]:
              f"efficiency is the rate over the rate of the {result['limit']} (every process "
              "at once, no communication: the limit) in the same round. The last bucket's "
              "exposed time: from the arrival of backward's last gradient to the end of the "
-             "reductions (median over rounds of each run's median step).", ""]
+             "reductions (median over rounds of each run's median step). Every process ran "
+             "with glibc's malloc thresholds fixed ("
+             + ", ".join(f"`{k}={v}`" for k, v in meta["malloc"].items())
+             + "): adaptive ones make torch fault its gradient temporaries in again at every "
+             "step in some processes and not in others. Page faults: minor page faults per "
+             "timed step of the worst process (median over rounds).", ""]
     for model, section in result["models"].items():
         lines += [f"### {model}: {section['description']}", ""]
         rows = []
@@ -194,10 +208,11 @@ def training_lines(result: dict) -> list[str]:
                          f"{min(rates):.2f} - {max(rates):.2f}",
                          _spread(c["vs_reference"]) if "vs_reference" in c else "-",
                          _spread(c["efficiency"], percent=True),
-                         f"{statistics.median(exposed):.2f} ms" if exposed else "-"])
+                         f"{statistics.median(exposed):.2f} ms" if exposed else "-",
+                         f"{statistics.median(c['rounds_page_faults_per_step']):.0f}"])
         lines += table(["configuration", "steps/s", "range over rounds",
                         f"ratio to {reference}" if reference else "ratio to the reference",
-                        "scaling efficiency", "last bucket exposed"], rows)
+                        "scaling efficiency", "last bucket exposed", "page faults"], rows)
     steps = {name: rounds for name, rounds in result["one_process_step"].items() if rounds}
     if steps:
         lines += [f"One process, {meta['step_pairs']} CNN steps of each alternated per round: "

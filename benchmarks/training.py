@@ -25,6 +25,12 @@ round to round, so that load from elsewhere hits them alike):
   HOROVOD=DIR`` puts a Horovod built in DIR on the path);
 * for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.
 
+Every worker runs with glibc's malloc thresholds fixed (:data:`MALLOC`). Left adaptive, they
+depend on the order of a process's first allocations: in some processes torch's 4 MB gradient
+temporaries are returned to the kernel and faulted in again at every step (thousands of page
+faults a step), in others not, so that one process of a job, or one run of a configuration, is
+20% slower than the next at random. Each worker reports its minor page faults per timed step.
+
 A job's rate is its steps per second: timed steps over the time of its slowest process.
 Scaling efficiency is a configuration's rate over the limit's in the same round; ratios are
 taken round by round. hpc_horovod's workers also measure the exposed time of the last bucket:
@@ -46,6 +52,7 @@ import copy
 import json
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -56,6 +63,9 @@ from pathlib import Path
 from machine import RESULTS, ROOT, command_line, describe
 
 RESULT = re.compile(r"RESULT (\{.*\})")
+#: glibc's malloc thresholds for every worker, fixed (see the module's docstring): allocations of
+#: up to 32 MiB come from the heap, and its top is never given back.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 OURS = "hpc_horovod.torch (hierarchical)"
 FLAT = "hpc_horovod.torch (flat MPI)"
 DDP = "torch DDP (gloo)"
@@ -96,15 +106,19 @@ def _step(model, optimizer, data, target) -> None:
     optimizer.step()
 
 
-def measure(model, optimizer, args, rank: int, step=_step) -> float:
-    """Steps per second of this process over ``args.steps`` timed training steps."""
+def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float]:
+    """(steps per second, minor page faults per step) of this process over ``args.steps``
+    timed training steps."""
     data, target = _batch(args.model, args.batch_size, rank)
     for _ in range(args.warmup):
         step(model, optimizer, data, target)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(args.steps):
         step(model, optimizer, data, target)
-    return args.steps / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return args.steps / elapsed, faults / args.steps
 
 
 def _report(**result) -> None:
@@ -142,9 +156,10 @@ def torch_worker(args, module: str) -> None:
         with optimizer.skip_synchronize():
             optimizer.step()
 
-    rate = measure(model, optimizer, args, hvd.rank(), step)
+    rate, faults = measure(model, optimizer, args, hvd.rank(), step)
     exposed_ms = statistics.median(exposed[args.warmup:]) * 1e3
-    rates = hvd.allgather(torch.tensor([[rate, exposed_ms]], dtype=torch.float64)).tolist()
+    rates = hvd.allgather(torch.tensor([[rate, exposed_ms, faults]],
+                                       dtype=torch.float64)).tolist()
     if hvd.rank() == 0:
         backend = None
         if hvd.__name__.startswith("hpc_horovod"):  # the host backend that ran
@@ -152,7 +167,7 @@ def torch_worker(args, module: str) -> None:
 
             backend = getattr(getattr(basics.engine(), "backend", None), "name", None)
         _report(rates=[r[0] for r in rates], exposed_ms=[r[1] for r in rates],
-                module=hvd.__file__, backend=backend)
+                faults_per_step=[r[2] for r in rates], module=hvd.__file__, backend=backend)
     hvd.shutdown()
 
 
@@ -229,13 +244,16 @@ def tf_worker(args) -> None:
     hvd.broadcast_variables(optimizer.variables, root_rank=0)
     for _ in range(args.warmup):
         train_step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(args.steps):
         train_step()
     rate = args.steps / (time.perf_counter() - start)
-    rates = hvd.allgather(tf.constant([rate], dtype=tf.float64)).numpy().tolist()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    rates = hvd.allgather(tf.constant([[rate, faults]], dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
-        _report(rates=rates, module=hvd.__file__)
+        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
+                module=hvd.__file__)
     hvd.shutdown()
 
 
@@ -253,11 +271,12 @@ def gloo_worker(args, ddp: bool) -> None:
     model = DistributedDataParallel(build_model(args.model)) if ddp else build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dist.barrier()
-    rate = measure(model, optimizer, args, rank)
+    measured = measure(model, optimizer, args, rank)
     rates = [None] * dist.get_world_size()
-    dist.all_gather_object(rates, rate)
+    dist.all_gather_object(rates, measured)
     if rank == 0:
-        _report(rates=rates, module=torch.__file__)
+        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
+                module=torch.__file__)
     dist.destroy_process_group()
 
 
@@ -282,7 +301,7 @@ def _env(package_dir: Path = ROOT, extra: dict | None = None) -> dict:
                     [str(package_dir)] + [p for p in [env.get("PYTHONPATH")] if p]),
                 "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 # on a loaded machine a rank may import torch for minutes before its peers
-                "HOROVOD_PEER_TIMEOUT_SECONDS": "600"})
+                "HOROVOD_PEER_TIMEOUT_SECONDS": "600", **MALLOC})
     env.update(extra or {})
     return env
 
@@ -424,6 +443,7 @@ def main(argv=None) -> None:
             for name, runner in {**runners, **(only_cnn if model == "cnn" else {})}.items()]
     rates = {(model, name): [] for model, name, _ in plan}
     exposed = {(model, name): [] for model, name, _ in plan}
+    faults = {(model, name): [] for model, name, _ in plan}
     modules: dict[str, str] = {}
     steps: dict[str, list[dict]] = {name: [] for name in steppers}
     for round_ in range(args.rounds):
@@ -433,6 +453,7 @@ def main(argv=None) -> None:
             rates[model, name].append(min(result["rates"]))  # the slowest process's pace
             if "exposed_ms" in result:
                 exposed[model, name].append(statistics.median(result["exposed_ms"]))
+            faults[model, name].append(max(result["faults_per_step"]))  # the worst process
             modules[name] = result["module"]
             print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} "
                   f"{rates[model, name][-1]:7.2f} steps/s"
@@ -463,6 +484,7 @@ def main(argv=None) -> None:
                 c["vs_reference"] = _ratios(rates[m, name], rates[m, before])
             if exposed[m, name]:
                 c["rounds_last_bucket_exposed_ms"] = exposed[m, name]
+            c["rounds_page_faults_per_step"] = faults[m, name]
             configurations.append(c)
             vs = (f"  x{c['vs_reference']['median']:.3f} ({c['vs_reference']['min']:.3f}-"
                   f"{c['vs_reference']['max']:.3f}) of the reference" if before else "")
@@ -481,7 +503,7 @@ def main(argv=None) -> None:
                     + (() if args.no_tensorflow else ("tensorflow", "keras")))
     meta.update(batch_size=args.batch_size, warmup=args.warmup, steps=args.steps,
                 step_pairs=args.step_pairs, rounds=args.rounds, processes=args.processes,
-                skipped=skipped)
+                malloc=MALLOC, skipped=skipped)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "training.json"
     path.write_text(json.dumps({"benchmark": "training", "meta": meta, "ours": OURS,

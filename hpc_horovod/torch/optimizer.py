@@ -13,10 +13,14 @@ into it, so that backward accumulates straight into the bucket. A hook on each p
 gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
-``zero_grad()`` keeps them views (zeroed, whatever ``set_to_none`` says, as DDP's
-``gradient_as_bucket_view``); a gradient that is not a view of its bucket (the first step, or
-when the user replaced it) is copied into the bucket and ``p.grad`` becomes the view.
-Sparse gradients are reduced one tensor at a time.
+As with DDP's ``gradient_as_bucket_view``, ``zero_grad(set_to_none=False)`` zeroes each bucket
+in one pass and keeps the views, so that backward accumulates into the bucket; with
+``set_to_none=True`` (torch's default) the gradients become None, autograd hands each new
+gradient over without adding it to zeros, and the bucket copies it in when it is submitted
+(``p.grad`` becomes the view again): one copy costs less than zeroing the bucket and then
+reading the zeros back in each accumulation. A gradient that is not a view of its bucket (the
+first step, or one the user replaced) is copied in the same way. Sparse gradients are reduced
+one tensor at a time.
 """
 
 from __future__ import annotations
@@ -353,14 +357,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._base_class.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``, except for the gradients of laid-out buckets:
-        those become zeroed views of their bucket whichever ``set_to_none`` says (each bucket
-        zeroed in one pass), as DDP's ``gradient_as_bucket_view`` does, so that backward
-        accumulates straight into the bucket and nothing is copied in at the next step. A
-        gradient set to None instead would make autograd allocate a new tensor, copied into
-        the bucket when it is reduced."""
+        """The wrapped optimizer's ``zero_grad``; with ``set_to_none=False`` the gradients of
+        laid-out buckets stay their views, each bucket zeroed in one pass (see the module's
+        docstring)."""
         if self._handles or self._accumulating:
             raise AssertionError(_ZERO_GRAD_RACE)
+        if set_to_none:
+            return self._base_class.zero_grad(self, True)
         viewed = set()
         for bucket in self._buckets:
             if bucket.flat is None:
@@ -372,12 +375,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view
                     viewed.add(p)
         if not viewed:
-            return self._base_class.zero_grad(self, set_to_none)
+            return self._base_class.zero_grad(self, False)
         others = [(group, group["params"]) for group in self.param_groups]
         try:
             for group, params in others:
                 group["params"] = [p for p in params if p not in viewed]
-            return self._base_class.zero_grad(self, set_to_none)
+            return self._base_class.zero_grad(self, False)
         finally:
             for group, params in others:
                 group["params"] = params

@@ -5,8 +5,8 @@ run, so whoever runs the engine's cycles meanwhile (that caller, or the engine t
 core while waiting for a peer: spinning, then ``sched_yield``, which still lets any other thread
 of the core run. Sleeping instead costs more than the wait itself where an idle CPU (a virtual
 one above all) is slow to come back. When nobody waits, the engine thread works in the
-background while the training computes on the same core: there yielding would take the core from
-the training, so it sleeps.
+background while the training computes on the same core: there spinning or yielding would take
+the core from the training, so it sleeps from the first look on.
 """
 
 from __future__ import annotations

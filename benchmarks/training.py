@@ -106,19 +106,24 @@ def _step(model, optimizer, data, target) -> None:
     optimizer.step()
 
 
-def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float]:
+def timed(step, args) -> tuple[float, float]:
     """(steps per second, minor page faults per step) of this process over ``args.steps``
-    timed training steps."""
-    data, target = _batch(args.model, args.batch_size, rank)
+    calls of ``step()``, after ``args.warmup`` untimed ones."""
     for _ in range(args.warmup):
-        step(model, optimizer, data, target)
+        step()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(args.steps):
-        step(model, optimizer, data, target)
+        step()
     elapsed = time.perf_counter() - start
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return args.steps / elapsed, faults / args.steps
+
+
+def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float]:
+    """:func:`timed` training steps of ``model`` on this rank's batch."""
+    data, target = _batch(args.model, args.batch_size, rank)
+    return timed(lambda: step(model, optimizer, data, target), args)
 
 
 def _report(**result) -> None:
@@ -242,14 +247,7 @@ def tf_worker(args) -> None:
     train_step()  # builds the optimizer's slots, so that they can be broadcast
     hvd.broadcast_variables(model.variables, root_rank=0)
     hvd.broadcast_variables(optimizer.variables, root_rank=0)
-    for _ in range(args.warmup):
-        train_step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        train_step()
-    rate = args.steps / (time.perf_counter() - start)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    rate, faults = timed(train_step, args)
     rates = hvd.allgather(tf.constant([[rate, faults]], dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
         _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],

@@ -8,9 +8,9 @@ reverse order (the order backward produces their gradients), fill buckets of one
 device, each closed once it holds ``HOROVOD_BUCKET_BYTES`` bytes (default 25 MiB; 1 MiB for the
 first bucket of each dtype and device, so that the first reduction starts early). Each bucket
 owns one flat tensor (in the node's shared window with the hierarchical host backend, see
-``common.buckets``), and after its first reduction every ``p.grad`` of the bucket is a view
-into it, so that backward accumulates straight into the bucket. A hook on each parameter counts the
-gradients as they are accumulated; when the last one of a bucket arrives, the bucket's flat
+``common.buckets``), and from its first reduction on every ``p.grad`` of the bucket is a view
+into it when the step runs. A hook on each parameter counts the gradients as they are
+accumulated; when the last one of a bucket arrives, the bucket's flat
 tensor goes to the engine as one in-place allreduce, while autograd computes the gradients of
 earlier layers. ``step()`` waits for the buckets and then runs the wrapped optimizer's update.
 As with DDP's ``gradient_as_bucket_view``, ``zero_grad(set_to_none=False)`` zeroes each bucket

@@ -142,9 +142,16 @@ def test_handles():
     tensors = [torch.full([17] * dim, float(R), dtype=dtype)
                for dtype in (torch.int32, torch.int64, torch.float32, torch.float64)
                for dim in (1, 2, 3)]
-    handles = [hvd.allreduce_async(t, op=hvd.Sum) for t in tensors]
-    pending = sum(not hvd.poll(h) for h in handles)  # async: some are still running
-    assert pending, "poll() said every op had finished right after submitting them"
+    # rank 0 submits first and polls while the others wait in a barrier, so none of its ops
+    # can have finished: poll() must say so, and the barrier must pass the pending ops by
+    if R == 0:
+        handles = [hvd.allreduce_async(t, op=hvd.Sum) for t in tensors]
+        assert not any(hvd.poll(h) for h in handles), "poll() said an op had finished before " \
+            "every rank submitted it"
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        handles = [hvd.allreduce_async(t, op=hvd.Sum) for t in tensors]
     for t, h in zip(tensors, handles):
         assert torch.equal(hvd.synchronize(h), torch.full_like(t, N * (N - 1) // 2))
     # a barrier does not disturb pending collectives

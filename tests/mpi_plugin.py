@@ -6,19 +6,22 @@ step, one check at a time.
 In step: a check that hangs on some ranks ends there by its timeout (SIGALRM, see
 support.CHECK_TIMEOUT_S), which stops the engine on every rank (the next check's ``hvd.init()``
 starts a new one); meanwhile a rank that had finished it may have gone on to the next check and
-failed there. Before each check the ranks tell each other which check they are at: a rank
-behind fails its check at once (it is out of step) until it reaches the others. A watchdog
-prints every thread's stack to ``$HVD_CHECKS_REPORT.stacks`` and ends the process when a check
-(or the wait for the other ranks before it) goes on a minute past its timeout: a wait inside MPI
+failed there. A check that fails on one rank by itself (an assertion, not a hang) stops the engine
+on every rank at once (``hvd.shutdown()``): a peer waiting for it in a collective raises instead of
+waiting out its timeout. Before each check the ranks tell each other which check they are at: a
+rank behind fails its check at once (it is out of step) until it reaches the others. A watchdog
+prints every thread's stack to ``$HVD_CHECKS_REPORT.stacks`` and ends the process when a check (or
+the wait for the other ranks before it) goes on a minute past its timeout: a wait inside MPI
 itself, which no signal handler interrupts (a collective that the other ranks never call, after a
-check failed on some of them); the launcher then ends the job, and the outer run reports the
-checks that finished and this one, with the stacks."""
+check failed on some of them); the launcher then ends the job, and the outer run reports the checks
+that finished and this one, with the stacks."""
 
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
+import sys
 
 import pytest
 
@@ -59,6 +62,10 @@ def pytest_runtest_logreport(report) -> None:
                               "outcome": report.outcome, "xfail": xfail,
                               "text": text[-8000:]}) + "\n")
     _report.flush()
+    if report.when == "call" and report.failed:
+        basics = sys.modules.get("hpc_horovod.common.basics")
+        if basics is not None and basics.is_initialized():
+            basics.shutdown()
 
 
 @pytest.fixture(autouse=True)

@@ -188,15 +188,15 @@ class Runtime:
                   flush=True)
 
     def release(self) -> None:
-        """Free what this runtime holds, locally (never a collective that waits for a peer):
-        the side channel (a normal end for the peers), the backends' communicators, and the
-        ids of its process sets. After a failure the communicators stay: MPI may still
-        complete an operation this rank gave up on, and writes into them."""
+        """Free what this runtime holds, locally (never a collective that waits for a peer),
+        once the engine thread has ended: the side channel (a normal end for the peers) and
+        the ids of its process sets. The backends were closed by the cycle that stopped the
+        engine on every rank; after a failure they stay: MPI may still complete an operation
+        this rank gave up on, and writes into them."""
+        self.engine.shutdown()  # stopped already: waits for the thread to end
         if self.watch is not None:
             self.watch.close()
-        if self.engine.error is None:
-            self.engine.free_backends()
-        else:
+        if self.engine.error is not None:
             self.engine.abandon_backends()
         for ps in self.process_sets.values():
             if ps is not global_process_set:

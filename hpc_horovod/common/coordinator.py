@@ -115,18 +115,17 @@ def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool]:
 
 class Coordinator:
     """Runs the protocol above, one set at a time. ``complete(req, error=None)`` completes a
-    request; ``has_work()`` says whether this rank has requests queued or pending;
-    ``alarm.error`` is set when a peer failed or was lost; ``whereabouts`` says, to a census
-    of the ranks, which set this rank negotiates on (``common.whereabouts``)."""
+    request; ``alarm.error`` is set when a peer failed or was lost; ``whereabouts`` says, to
+    a census of the ranks, which set this rank negotiates on (``common.whereabouts``)."""
 
-    def __init__(self, execution: Execution, complete: Callable, has_work: Callable, alarm,
+    def __init__(self, execution: Execution, complete: Callable, alarm,
                  whereabouts: Whereabouts):
         self._execution = execution
         self._complete = complete
-        self._has_work = has_work
         self._alarm = alarm
         self._whereabouts = whereabouts
-        #: set when peers shut down while this rank had nothing pending: what a later op raises
+        #: set when peers shut down while this rank still ran: what its pending and later ops
+        #: raise
         self.stopped_by_peers: HorovodInternalError | None = None
 
     def cycle(self, ps: ProcessSetState, shutting_down: bool, settings: Settings,
@@ -213,8 +212,6 @@ class Coordinator:
                 error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
                                  "script) while the others still ran collectives")
                 error.agreed = True
-                if self._has_work():
-                    raise error
                 self.stopped_by_peers = error
             return True
         return False

@@ -16,10 +16,11 @@ company; synchronous ops do not even wake it (:meth:`Engine.synchronous`).
 
 Lifecycle (:class:`State`): RUNNING from creation (a caller may run cycles before the thread
 starts); STOPPING once ``shutdown()`` asked (the next cycle tells every rank); then STOPPED
-(every rank agreed to stop, or the peers shut down) or FAILED (an error: a shutdown, a stall past
-``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a peer that stops answering ends
-the engine on every rank with a message that names who and why; every pending handle then
-raises it).
+(every rank agreed to stop, or the peers shut down: in that same cycle every rank closes its
+backends, whether it asked or not, and its pending handles raise) or FAILED (an error: a stall
+past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a peer that stops
+answering ends the engine on every rank with a message that names who and why; every pending
+handle then raises it).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class Engine:
         self.whereabouts = Whereabouts(settings.peer_timeout_s)
         self._coordinator = Coordinator(
             Execution(self._control, self._complete, self._forget_done, self.whereabouts),
-            self._complete, self._has_work, self._alarm, self.whereabouts)
+            self._complete, self._alarm, self.whereabouts)
         #: called once with the error when this engine stops on an error of its own (not one
         #: every rank reached together, not a peer's): the peers must learn it
         self.on_local_error = None
@@ -555,7 +556,8 @@ class Engine:
     def _fail(self, requests) -> None:
         """Complete ``requests`` with the engine's error (or the shutdown text) and wake the
         callers."""
-        error = self._error or HorovodInternalError(SHUT_DOWN)
+        error = (self._error or self._coordinator.stopped_by_peers
+                 or HorovodInternalError(SHUT_DOWN))
         for req in requests:
             if not req.done:
                 self._complete(req, error=error.copy())
@@ -584,6 +586,12 @@ class Engine:
                 ps.backend.abort()
             if not error.agreed and self._alarm.error is None and self.on_local_error:
                 self.on_local_error(error)
+        else:
+            # Every rank stops in this cycle: the one moment they all close together. Later
+            # (at a rank's next init, shutdown or exit) a rank that did not ask would come
+            # when it likes, and the others would wait for it up to the peer timeout.
+            for ps in self._sets.values():
+                ps.backend.close()
         # Every accepted request not yet completed (all are in _inflight until then): queued,
         # pending, a join, or one cut off mid-execution.
         leftovers = self._drain_queue() + list(self._inflight.values())
@@ -593,20 +601,6 @@ class Engine:
         if self.timeline is not None:
             self.timeline.close()
         self._fail(leftovers)
-
-    def free_backends(self) -> None:
-        """Release every process set's backend, set 0's included. After a shutdown (which
-        stops every rank in the same cycle, the ones that did not ask for it too) each is
-        closed, collectively over its set and in the same order on every rank
-        (``Backend.close``: what the ranks share, the node's shared window, is released too,
-        within the peer timeout); after an error, freed locally (``Backend.free``; the runtime
-        keeps a failed engine's backends instead: :meth:`abandon_backends`)."""
-        normal = self._error is None
-        for ps in self._sets.values():
-            if normal:
-                ps.backend.close()
-            else:
-                ps.backend.free()
 
     def abandon_backends(self) -> None:
         """After a failure: keep every backend (and its communicator) alive for the life of

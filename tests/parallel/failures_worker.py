@@ -11,6 +11,8 @@
 * ``stall_in_set``: in the process set of ranks [1, 2], rank 2 submits late and then with
   another dtype: the stall warning and the mismatch name global ranks.
 * ``early_exit``: rank 0 shuts down while the others still submit: their ops fail naming it.
+* ``early_exit_pending``: rank 0 shuts down while the others wait for it in an allreduce: their
+  op fails naming it, and its shutdown returns at once, while they still run.
 * ``local_failure``: the backend fails on the last rank only (a read-only output buffer slipped
   past validation through the low-level ``submit``); its handle must complete with an error, and
   the others learn why at once (not after HOROVOD_PEER_TIMEOUT_SECONDS).
@@ -111,6 +113,21 @@ elif scenario == "early_exit":
             say(f"failed with: {exc}")
         else:
             raise AssertionError("an allreduce completed without rank 0")
+
+elif scenario == "early_exit_pending":
+    if RANK == 0:
+        time.sleep(0.3)  # the others wait in their allreduce
+        start = time.monotonic()
+        hvd.shutdown()
+        say(f"shut down in {time.monotonic() - start:.1f} s")
+    else:
+        try:
+            hvd.allreduce(np.ones(2), name="rank0.leaves.meanwhile")
+        except hvd.HorovodInternalError as exc:
+            say(f"failed with: {exc}")
+        else:
+            raise AssertionError("an allreduce completed without rank 0")
+        time.sleep(5)  # the script goes on without the engine
 
 elif scenario == "local_failure":
     from hpc_horovod.common import ops, request

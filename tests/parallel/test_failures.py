@@ -82,6 +82,18 @@ def test_a_rank_that_shuts_down_early_is_named_by_the_others(mpirun):
     assert "rank 0: done" in out[0]
 
 
+def test_a_rank_that_shuts_down_while_the_others_wait_leaves_at_once(mpirun):
+    """The ranks it leaves behind close the node's shared window with it in the cycle that
+    stops, rather than when their scripts end."""
+    proc = mpirun(3, WORKER, "early_exit_pending", timeout=60)
+    out = by_rank(proc)
+    for rank in (1, 2):
+        assert "Rank(s) 0 called shutdown while this rank still runs." in out[rank], out[rank]
+        assert f"rank {rank}: done" in out[rank]
+    took = float(out[0].split("rank 0: shut down in ")[1].split()[0])
+    assert took < 2.0, out[0]
+
+
 def test_a_backend_failure_on_one_rank_completes_its_handle(mpirun):
     proc = mpirun(2, WORKER, "local_failure", timeout=60, check=False,
                   env={"HOROVOD_PEER_TIMEOUT_SECONDS": "2"})

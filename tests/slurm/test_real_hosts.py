@@ -225,8 +225,11 @@ def test_long_run_across_two_hosts(slurm):
 #: what hierarchical_vs_flat.py compares, in its order
 PATH_CHECKS = ["path", "below in place", "below out of place", "above in place",
                "above out of place", "optimizer", "shutdown"]
-#: the layouts: 2 + 2 ranks (slices reduced across nodes) and 2 + 1 (through the nodes' leaders)
-LAYOUTS = {"2+2": (4, ["-N", "2", "--ntasks-per-node=2"]), "2+1": (3, ["-N", "2", "-n", "3"])}
+#: the layouts: 2 + 2 ranks and 3 + 3 (slices reduced across nodes, three of them uneven at
+#: 3 + 3), and 2 + 1 (through the nodes' leaders)
+LAYOUTS = {"2+2": (4, ["-N", "2", "--ntasks-per-node=2"]),
+           "3+3": (6, ["-N", "2", "--ntasks-per-node=3"]),
+           "2+1": (3, ["-N", "2", "-n", "3"])}
 PATHS = {"hierarchical": "1", "flat": "0"}
 
 
@@ -264,7 +267,7 @@ def _within(name: str, hier: np.ndarray, flat: np.ndarray, bound) -> None:
 def test_hierarchical_and_flat_paths_agree_across_two_hosts(both_paths, check):
     """Across h1 and h2 the hierarchical path gives what the flat one (MPI alone) gives:
     integer sums bit-identical, float sums within one rounding per reduction step (as
-    tests/backends/mpi_hierarchical.py), at 2 + 2 and 2 + 1 ranks."""
+    tests/backends/mpi_hierarchical.py), at 2 + 2, 3 + 3 and 2 + 1 ranks."""
     ranks, outputs, results = both_paths
     for label, out in outputs.items():
         done = [r for r in range(ranks) if f"{r}: rank {r}: {check} done" in out]

@@ -215,8 +215,10 @@ class NodeWindow:
     # -- memory ----------------------------------------------------------------------------------
     def take(self, nbytes: int) -> np.ndarray | None:
         """``nbytes`` of this rank's segment (uint8, cache-line aligned), or None when the half
-        that holds buckets is full."""
+        that holds buckets is full, or the window is closed (the engine stopped)."""
         with self._lock:
+            if self._arena is None:
+                return None
             start = self._arena_used
             end = start + -(-nbytes // ALIGN) * ALIGN
             if end > self._arena.size:

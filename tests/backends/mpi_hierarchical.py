@@ -326,6 +326,7 @@ def test_close_keeps_memory_with_live_views():
     retained = len(hierarchical._retained)
     freed.close()  # no view left on any rank: freed collectively
     assert len(hierarchical._retained) == retained
+    assert freed.bucket_memory(4096) is None  # a bucket laid out later goes to private memory
 
 
 def test_close_without_a_peer_gives_up_naming_it(caplog):

@@ -188,16 +188,18 @@ class Runtime:
                   flush=True)
 
     def release(self) -> None:
-        """Free what this runtime holds, locally (never a collective that waits for a peer),
-        once the engine thread has ended: the side channel (a normal end for the peers) and
-        the ids of its process sets. The backends were closed by the cycle that stopped the
-        engine on every rank; after a failure they stay: MPI may still complete an operation
-        this rank gave up on, and writes into them."""
-        self.engine.shutdown()  # stopped already: waits for the thread to end
+        """Free what this runtime holds, locally (never a collective that waits for a peer):
+        the side channel (a normal end for the peers) and the ids of its process sets. The
+        backends were closed by the cycle that stopped the engine on every rank (its end
+        awaited here: it may still be closing them on the engine thread); after a failure
+        they stay: MPI may still complete an operation this rank gave up on, and writes into
+        them."""
+        if self.engine.error is None:
+            self.engine.shutdown()  # stopped already: waits for the thread to end
+        else:
+            self.engine.abandon_backends()
         if self.watch is not None:
             self.watch.close()
-        if self.engine.error is not None:
-            self.engine.abandon_backends()
         for ps in self.process_sets.values():
             if ps is not global_process_set:
                 ps.process_set_id = None

@@ -260,30 +260,25 @@ class NodeWindow:
     def _wait(self, seq: int, what: str) -> None:
         counters = self.counters
         sync = self.win.Sync
-        start = time.perf_counter()
-        spin_until = start + patience.spin_s()
-        yield_until = start + patience.yield_s()
+        pace = patience.Pace()
         while True:
             sync()
             if min(counters) >= seq:
                 return
             now = time.perf_counter()
-            if now < spin_until:
+            if pace.spinning(now):
                 continue
             alarm = self.alarm
             if alarm is not None and alarm.error is not None:
                 raise alarm.error.copy()
-            if now < yield_until:
-                os.sched_yield()
-                continue
-            if self.timeout_s and now - start > self.timeout_s:
+            if self.timeout_s and now - pace.start > self.timeout_s:
                 late = [self.global_ranks[q] for q in range(self.size) if counters[q] < seq]
                 raise HorovodInternalError(
                     f"rank(s) {', '.join(map(str, late))} did not arrive in the node's shared "
                     f"window ({what}) for {self.timeout_s:.0f} s: a peer died or is blocked "
                     "(raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for "
                     "longer)")
-            time.sleep(20e-6 if now - start < 0.01 else 200e-6)
+            pace.pause(now)
 
     def data(self, q: int, offset: int, lo: int, hi: int, dtype: np.dtype) -> np.ndarray:
         """Elements ``[lo, hi)`` of ``dtype`` from byte ``offset`` of rank ``q``'s segment."""

@@ -9,7 +9,6 @@ of the rank waits for a result, waits yield the core rather than sleep (``common
 
 from __future__ import annotations
 
-import os
 import time
 
 from ..common import patience
@@ -48,21 +47,16 @@ class RequestWaiter:
             raise
 
     def _wait(self, req, timeout_s: float, what: str, alarm) -> None:
-        start = time.perf_counter()
-        spin_until = start + patience.spin_s()
-        yield_until = start + patience.yield_s()
+        pace = patience.Pace()
         while not req.Test():
             now = time.perf_counter()
-            if now < spin_until:
+            if pace.spinning(now):
                 continue
             if alarm is not None and alarm.error is not None:
                 raise alarm.error.copy()
-            if now < yield_until:
-                os.sched_yield()
-                continue
-            if timeout_s and now - start > timeout_s:
+            if timeout_s and now - pace.start > timeout_s:
                 raise self._timed_out(timeout_s, what, alarm)
-            time.sleep(20e-6 if now - start < 0.01 else 200e-6)
+            pace.pause(now)
 
     def _timed_out(self, timeout_s: float, what: str, alarm) -> HorovodInternalError:
         """The error of a wait past its deadline: with a side channel (``alarm.census``, see

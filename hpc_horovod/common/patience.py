@@ -11,6 +11,9 @@ the core from the training, so it sleeps from the first look on.
 
 from __future__ import annotations
 
+import os
+import time
+
 #: How long a wait that keeps its core spins first (a peer a few microseconds away).
 SPIN_S = 50e-6
 #: How long a wait that keeps its core yields before it sleeps after all.
@@ -41,13 +44,26 @@ def keeps_core() -> bool:
     return _waiting > 0
 
 
-def spin_s() -> float:
-    """How long a wait for peers starting now spins before it yields or sleeps: a short
-    ``SPIN_S`` while it keeps the core, else 0 (a spin would take the core from the training)."""
-    return SPIN_S if keeps_core() else 0.0
+class Pace:
+    """The pace of one wait for peers, fixed at its first look (``start``): while it keeps
+    the core, it spins ``SPIN_S``, then yields until ``YIELD_S``, then sleeps; otherwise it
+    sleeps from the start. The waiter looks, and while ``spinning(now)`` looks again at once;
+    otherwise it checks its deadline and calls :meth:`pause`."""
 
+    __slots__ = ("start", "_spin_until", "_yield_until")
 
-def yield_s() -> float:
-    """How long a wait for peers starting now yields the core before it sleeps: ``YIELD_S``
-    while it keeps the core, else 0."""
-    return YIELD_S if keeps_core() else 0.0
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        keeps = keeps_core()
+        self._spin_until = self.start + SPIN_S if keeps else 0.0
+        self._yield_until = self.start + YIELD_S if keeps else 0.0
+
+    def spinning(self, now: float) -> bool:
+        return now < self._spin_until
+
+    def pause(self, now: float) -> None:
+        """Yield the core, or sleep a little (longer once the wait is long)."""
+        if now < self._yield_until:
+            os.sched_yield()
+        else:
+            time.sleep(20e-6 if now - self.start < 0.01 else 200e-6)

@@ -54,7 +54,7 @@ class _LateRequest:
 @pytest.mark.parametrize("caller", [True, False], ids=["a thread waits", "nobody waits"])
 def test_waits_yield_the_core_while_a_thread_waits_and_sleep_otherwise(monkeypatch, caller):
     yields, sleeps = [], []
-    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(patience.os, "sched_yield", lambda: yields.append(1))
     sleep = time.sleep
     monkeypatch.setattr(waiting.time, "sleep", lambda s: (sleeps.append(s), sleep(s)))
     context = patience.waiting_caller if caller else contextlib.nullcontext()

@@ -72,6 +72,12 @@ def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
                              "ratios)", mine["vs_reference"]["median"], ">= 1.15"])
             rows.append([f"{model}: {ours} scaling efficiency (steps/s / {training['limit']}'s, "
                          "median of per-round ratios)", mine["efficiency"]["median"], ">= 0.85"])
+            floor = next((c for c in result["configurations"]
+                          if c["name"] == training.get("floor")), None)
+            if floor is not None:
+                rows.append([f"{model}: floor of the scaling efficiency through shared memory "
+                             f"({floor['name']}: steps/s / {training['limit']}'s)",
+                             floor["efficiency"]["median"], "-"])
         rounds = training["one_process_step"].get(ours, [])
         ratio = statistics.median(r["ratio"] for r in rounds) if rounds else None
         rows.append(["One process: DistributedOptimizer step / plain optimizer step "

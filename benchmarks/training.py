@@ -21,6 +21,11 @@ round to round, so that load from elsewhere hits them alike):
 * torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
 * the limit: the plain optimizer in every process at once, with no communication (the
   processes only meet once before timing);
+* the floor of a shared-memory allreduce: the same, plus two in-place passes over every
+  gradient after backward. An allreduce of gradients through shared memory makes at least
+  those on every rank (each gradient copied into the shared window, and the reduction that
+  reads every rank's share and writes the sum back), so no such path can scale better than
+  this configuration; it shows how much of the distance to the limit is memory traffic;
 * ``horovod.torch`` when Horovod is importable (skipped, and said so, when not: ``make bench
   HOROVOD=DIR`` puts a Horovod built in DIR on the path);
 * for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.
@@ -70,6 +75,7 @@ OURS = "hpc_horovod.torch (hierarchical)"
 FLAT = "hpc_horovod.torch (flat MPI)"
 DDP = "torch DDP (gloo)"
 LIMIT = "plain optimizer, no communication"
+FLOOR = "plain optimizer + two passes over the gradients, no communication"
 MODELS = {"mlp": "MLP, 1024 inputs, three hidden layers of 1024, 10 outputs (12.6 MB of float32 "
                  "gradients), batch 32 per process",
           "cnn": "small CNN (2 conv, 2 dense) on 32x32x3, batch 32 per process"}
@@ -255,9 +261,23 @@ def tf_worker(args) -> None:
     hvd.shutdown()
 
 
-def gloo_worker(args, ddp: bool) -> None:
+def _two_passes(model, optimizer, data, target) -> None:
+    """:func:`_step` with two in-place passes over every gradient after backward (see
+    :data:`FLOOR`)."""
+    import torch
+    import torch.nn.functional as F
+
+    optimizer.zero_grad()
+    F.cross_entropy(model(data), target).backward()
+    grads = [p.grad for p in model.parameters()]
+    torch._foreach_mul_(grads, 1.0)
+    torch._foreach_mul_(grads, 1.0)
+    optimizer.step()
+
+
+def gloo_worker(args, ddp: bool, step=_step) -> None:
     """torch DDP over gloo (``ddp``), or the plain optimizer with no communication at all once
-    the processes have met (the limit)."""
+    the processes have met (the limit; with ``step`` :func:`_two_passes`, the floor)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -269,7 +289,7 @@ def gloo_worker(args, ddp: bool) -> None:
     model = DistributedDataParallel(build_model(args.model)) if ddp else build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dist.barrier()
-    measured = measure(model, optimizer, args, rank)
+    measured = measure(model, optimizer, args, rank, step)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, measured)
     if rank == 0:
@@ -401,7 +421,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip hpc_horovod.tensorflow")
     parser.add_argument("--model", choices=list(MODELS), default="cnn", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "plain", "horovod"],
+    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "plain", "floor",
+                                             "horovod"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -413,7 +434,8 @@ def main(argv=None) -> None:
                "horovod": lambda: torch_worker(args, "horovod.torch"),
                "step": lambda: step_worker(args), "tf": lambda: tf_worker(args),
                "ddp": lambda: gloo_worker(args, ddp=True),
-               "plain": lambda: gloo_worker(args, ddp=False)}
+               "plain": lambda: gloo_worker(args, ddp=False),
+               "floor": lambda: gloo_worker(args, ddp=False, step=_two_passes)}
     if args.worker:
         return workers[args.worker]()
 
@@ -428,6 +450,7 @@ def main(argv=None) -> None:
         steppers[before] = _launched("step", args.compare_with)
     runners[DDP] = _gloo("ddp")
     runners[LIMIT] = _gloo("plain")
+    runners[FLOOR] = _gloo("floor")
     only_cnn = {}
     if not args.no_tensorflow:
         only_cnn["hpc_horovod.tensorflow"] = _launched("tf")
@@ -506,6 +529,7 @@ def main(argv=None) -> None:
     path = RESULTS / "training.json"
     path.write_text(json.dumps({"benchmark": "training", "meta": meta, "ours": OURS,
                                 "flat": FLAT, "reference": before, "ddp": DDP, "limit": LIMIT,
+                                "floor": FLOOR,
                                 "models": results, "one_process_step": steps}, indent=1) + "\n")
     print(f"results: {path}")
 

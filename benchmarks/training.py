@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
@@ -104,11 +105,18 @@ def _batch(kind: str, batch_size: int, rank: int):
     return torch.randn(*shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def _step(model, optimizer, data, target) -> None:
+def _step(model, optimizer, data, target, passes: int = 0) -> None:
+    """One training step; with ``passes``, that many in-place passes over every gradient
+    between backward and the optimizer (see :data:`FLOOR`)."""
+    import torch
     import torch.nn.functional as F
 
     optimizer.zero_grad()
     F.cross_entropy(model(data), target).backward()
+    if passes:
+        grads = [p.grad for p in model.parameters()]
+        for _ in range(passes):
+            torch._foreach_mul_(grads, 1.0)
     optimizer.step()
 
 
@@ -261,23 +269,9 @@ def tf_worker(args) -> None:
     hvd.shutdown()
 
 
-def _two_passes(model, optimizer, data, target) -> None:
-    """:func:`_step` with two in-place passes over every gradient after backward (see
-    :data:`FLOOR`)."""
-    import torch
-    import torch.nn.functional as F
-
-    optimizer.zero_grad()
-    F.cross_entropy(model(data), target).backward()
-    grads = [p.grad for p in model.parameters()]
-    torch._foreach_mul_(grads, 1.0)
-    torch._foreach_mul_(grads, 1.0)
-    optimizer.step()
-
-
 def gloo_worker(args, ddp: bool, step=_step) -> None:
     """torch DDP over gloo (``ddp``), or the plain optimizer with no communication at all once
-    the processes have met (the limit; with ``step`` :func:`_two_passes`, the floor)."""
+    the processes have met (the limit; with a ``step`` that makes two passes, the floor)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -435,7 +429,8 @@ def main(argv=None) -> None:
                "step": lambda: step_worker(args), "tf": lambda: tf_worker(args),
                "ddp": lambda: gloo_worker(args, ddp=True),
                "plain": lambda: gloo_worker(args, ddp=False),
-               "floor": lambda: gloo_worker(args, ddp=False, step=_two_passes)}
+               "floor": lambda: gloo_worker(args, ddp=False,
+                                             step=functools.partial(_step, passes=2))}
     if args.worker:
         return workers[args.worker]()
 

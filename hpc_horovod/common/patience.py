@@ -6,7 +6,10 @@ core while waiting for a peer: spinning, then ``sched_yield``, which still lets 
 of the core run. Sleeping instead costs more than the wait itself where an idle CPU (a virtual
 one above all) is slow to come back. When nobody waits, the engine thread works in the
 background while the training computes on the same core: there spinning or yielding would take
-the core from the training, so it sleeps from the first look on.
+the core from the training, so it sleeps from the first look on. Which of the two applies is
+looked up at every pause, not fixed when the wait began: a wait the engine thread began in the
+background (a gradient bucket's, during backward) yields from the moment the training thread
+waits for its result, rather than sleeping on between its looks at the peers.
 """
 
 from __future__ import annotations
@@ -45,25 +48,25 @@ def keeps_core() -> bool:
 
 
 class Pace:
-    """The pace of one wait for peers, fixed at its first look (``start``): while it keeps
-    the core, it spins ``SPIN_S``, then yields until ``YIELD_S``, then sleeps; otherwise it
-    sleeps from the start. The waiter looks, and while ``spinning(now)`` looks again at once;
-    otherwise it checks its deadline and calls :meth:`pause`."""
+    """The pace of one wait for peers, begun at ``start``. The waiter looks, and while
+    ``spinning(now)`` looks again at once; otherwise it checks its deadline and calls
+    :meth:`pause`. A wait that keeps the core from its first look spins ``SPIN_S`` first; any
+    pause yields while some thread waits for a result and the wait is younger than ``YIELD_S``,
+    and sleeps otherwise."""
 
-    __slots__ = ("start", "_spin_until", "_yield_until")
+    __slots__ = ("start", "_spin_until")
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
-        keeps = keeps_core()
-        self._spin_until = self.start + SPIN_S if keeps else 0.0
-        self._yield_until = self.start + YIELD_S if keeps else 0.0
+        self._spin_until = self.start + SPIN_S if keeps_core() else 0.0
 
     def spinning(self, now: float) -> bool:
         return now < self._spin_until
 
     def pause(self, now: float) -> None:
         """Yield the core, or sleep a little (longer once the wait is long)."""
-        if now < self._yield_until:
+        waited = now - self.start
+        if _waiting and waited < YIELD_S:
             os.sched_yield()
         else:
-            time.sleep(20e-6 if now - self.start < 0.01 else 200e-6)
+            time.sleep(20e-6 if waited < 0.01 else 200e-6)

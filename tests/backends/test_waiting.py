@@ -89,6 +89,38 @@ def test_a_wait_nobody_waits_for_sleeps_at_once(monkeypatch):
     assert looks_before_sleeping.index("sleep") == 2  # wait()'s look, then the loop's
 
 
+class _CallerComesLate:
+    """Completes at its ``done_at``-th look; at its ``caller_at``-th, a thread of the rank
+    starts waiting for a result (as the training thread calls ``synchronize()`` while the
+    engine thread waits for a bucket's peers)."""
+
+    def __init__(self, caller_at: int, done_at: int):
+        self.caller_at, self.done_at, self.looks = caller_at, done_at, 0
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        self.looks += 1
+        if self.looks == self.caller_at:
+            patience.waiting_caller.__enter__()
+        return self.looks >= self.done_at
+
+
+def test_a_background_wait_yields_from_the_moment_a_thread_waits_for_it(monkeypatch):
+    """The pace follows whether a thread waits now, not whether one waited when the wait
+    began: sleeping on would leave the core idle while the training thread waits."""
+    pauses = []
+    monkeypatch.setattr(patience.os, "sched_yield", lambda: pauses.append("yield"))
+    monkeypatch.setattr(waiting.time, "sleep", lambda s: pauses.append("sleep"))
+    request = _CallerComesLate(caller_at=4, done_at=8)
+    try:
+        waiting.RequestWaiter(2).wait(request, 1.0, "a late peer")
+    finally:
+        patience.waiting_caller.__exit__(None, None, None)
+    # looks 1 (wait's own) and 2, 3 find nobody waiting: two sleeps between them; from the 4th
+    # look on a thread waits: a yield after each look until the 8th completes
+    assert pauses == ["sleep", "sleep", "yield", "yield", "yield", "yield"]
+    assert not patience.keeps_core()
+
+
 def test_a_caller_keeps_yielding_only_so_long(monkeypatch):
     monkeypatch.setattr(patience, "YIELD_S", 0.002)
     sleeps = []

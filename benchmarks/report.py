@@ -75,7 +75,7 @@ def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
             floor = next((c for c in result["configurations"]
                           if c["name"] == training.get("floor")), None)
             if floor is not None:
-                rows.append([f"{model}: floor of the scaling efficiency through shared memory "
+                rows.append([f"{model}: floor of the hierarchical path's scaling efficiency "
                              f"({floor['name']}: steps/s / {training['limit']}'s)",
                              floor["efficiency"]["median"], "-"])
         rounds = training["one_process_step"].get(ours, [])

@@ -21,11 +21,14 @@ round to round, so that load from elsewhere hits them alike):
 * torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
 * the limit: the plain optimizer in every process at once, with no communication (the
   processes only meet once before timing);
-* the floor of a shared-memory allreduce: the same, plus two in-place passes over every
-  gradient after backward. An allreduce of gradients through shared memory makes at least
-  those on every rank (each gradient copied into the shared window, and the reduction that
-  reads every rank's share and writes the sum back), so no such path can scale better than
-  this configuration; it shows how much of the distance to the limit is memory traffic;
+* the floor of the hierarchical path: the plain optimizer with that path's own data motion
+  written out by hand between backward and the step, with nothing else (no engine, no
+  negotiation, no bucket bookkeeping): every gradient copied into the node's shared window
+  (as ``zero_grad()`` leaves it to the buckets), a barrier, each rank's slice reduced from
+  every rank's copy and written back into all of them with the same native pass, a barrier.
+  The hierarchical path makes these passes and meets its peers at least this often, so it
+  cannot scale better than this configuration: the distance from the limit to the floor is
+  memory traffic and the ranks' skew; from the floor to hpc_horovod, the engine's own cost;
 * ``horovod.torch`` when Horovod is importable (skipped, and said so, when not: ``make bench
   HOROVOD=DIR`` puts a Horovod built in DIR on the path);
 * for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.
@@ -54,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import os
 import re
@@ -76,7 +78,7 @@ OURS = "hpc_horovod.torch (hierarchical)"
 FLAT = "hpc_horovod.torch (flat MPI)"
 DDP = "torch DDP (gloo)"
 LIMIT = "plain optimizer, no communication"
-FLOOR = "plain optimizer + two passes over the gradients, no communication"
+FLOOR = "plain optimizer + the hierarchical path's passes by hand (no engine)"
 MODELS = {"mlp": "MLP, 1024 inputs, three hidden layers of 1024, 10 outputs (12.6 MB of float32 "
                  "gradients), batch 32 per process",
           "cnn": "small CNN (2 conv, 2 dense) on 32x32x3, batch 32 per process"}
@@ -105,18 +107,11 @@ def _batch(kind: str, batch_size: int, rank: int):
     return torch.randn(*shape, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
 
 
-def _step(model, optimizer, data, target, passes: int = 0) -> None:
-    """One training step; with ``passes``, that many in-place passes over every gradient
-    between backward and the optimizer (see :data:`FLOOR`)."""
-    import torch
+def _step(model, optimizer, data, target) -> None:
     import torch.nn.functional as F
 
     optimizer.zero_grad()
     F.cross_entropy(model(data), target).backward()
-    if passes:
-        grads = [p.grad for p in model.parameters()]
-        for _ in range(passes):
-            torch._foreach_mul_(grads, 1.0)
     optimizer.step()
 
 
@@ -219,6 +214,66 @@ def step_worker(args) -> None:
     hvd.shutdown()
 
 
+def floor_worker(args) -> None:
+    """:data:`FLOOR`: the ranks of one node, launched as hpc_horovod's, share one MPI window
+    (``Win.Allocate_shared``) holding every rank's gradients; between backward and the step,
+    each rank copies its gradients in and makes them views of it, meets its peers, sums its
+    slice (``hierarchical.slice_bounds``) of every rank's copy, averaged, into all of them with
+    ``_native.reduce_slices``, and meets them again. MPI's barriers spin: with one thread per
+    process there is nothing else for the core to run."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from hpc_horovod import _native
+    from hpc_horovod.backends.hierarchical import slice_bounds
+    from hpc_horovod.common.types import Sum
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    if comm.Get_size() != MPI.COMM_WORLD.Get_size():
+        raise SystemExit("the floor worker runs its ranks on one node")
+    rank, k = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    params = list(model.parameters())
+    count = sum(p.numel() for p in params)
+    itemsize = params[0].element_size()
+    window = MPI.Win.Allocate_shared(count * itemsize, itemsize, comm=comm)
+    copies = [np.frombuffer(window.Shared_query(q)[0], dtype=np.float32, count=count)
+              for q in range(k)]
+    lo, hi = slice_bounds(count, itemsize, k, rank)
+    slices = [c[lo:hi] for c in copies]
+    views = [v.view(p.shape) for p, v in
+             zip(params, torch.from_numpy(copies[rank]).split([p.numel() for p in params]))]
+
+    def step(model, optimizer, data, target) -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        for p, view in zip(params, views):
+            view.copy_(p.grad)
+            p.grad = view
+        comm.Barrier()
+        _native.reduce_slices(slices, slices, Sum, 1.0, 1.0 / k)
+        comm.Barrier()
+        optimizer.step()
+
+    comm.Barrier()
+    measured = measure(model, optimizer, args, rank, step)
+    # the same averaged gradients everywhere keep the replicas equal: the passes did reduce
+    checksum = float(sum(p.detach().double().sum() for p in params))
+    if len(set(comm.allgather(checksum))) != 1:
+        raise SystemExit("the floor's replicas diverged: its reduction is wrong")
+    rates = comm.gather(measured)
+    if rank == 0:
+        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
+                module=_native.__file__)
+    comm.Barrier()
+    window.Free()
+
+
 def build_keras_model():
     """:func:`build_model`'s CNN in Keras (channels last)."""
     import keras
@@ -269,9 +324,9 @@ def tf_worker(args) -> None:
     hvd.shutdown()
 
 
-def gloo_worker(args, ddp: bool, step=_step) -> None:
+def gloo_worker(args, ddp: bool) -> None:
     """torch DDP over gloo (``ddp``), or the plain optimizer with no communication at all once
-    the processes have met (the limit; with a ``step`` that makes two passes, the floor)."""
+    the processes have met (the limit)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -283,7 +338,7 @@ def gloo_worker(args, ddp: bool, step=_step) -> None:
     model = DistributedDataParallel(build_model(args.model)) if ddp else build_model(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dist.barrier()
-    measured = measure(model, optimizer, args, rank, step)
+    measured = measure(model, optimizer, args, rank)
     rates = [None] * dist.get_world_size()
     dist.all_gather_object(rates, measured)
     if rank == 0:
@@ -429,8 +484,7 @@ def main(argv=None) -> None:
                "step": lambda: step_worker(args), "tf": lambda: tf_worker(args),
                "ddp": lambda: gloo_worker(args, ddp=True),
                "plain": lambda: gloo_worker(args, ddp=False),
-               "floor": lambda: gloo_worker(args, ddp=False,
-                                             step=functools.partial(_step, passes=2))}
+               "floor": lambda: floor_worker(args)}
     if args.worker:
         return workers[args.worker]()
 
@@ -445,7 +499,7 @@ def main(argv=None) -> None:
         steppers[before] = _launched("step", args.compare_with)
     runners[DDP] = _gloo("ddp")
     runners[LIMIT] = _gloo("plain")
-    runners[FLOOR] = _gloo("floor")
+    runners[FLOOR] = _launched("floor")
     only_cnn = {}
     if not args.no_tensorflow:
         only_cnn["hpc_horovod.tensorflow"] = _launched("tf")

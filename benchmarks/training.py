@@ -26,9 +26,10 @@ round to round, so that load from elsewhere hits them alike):
   negotiation, no bucket bookkeeping): every gradient copied into the node's shared window
   (as ``zero_grad()`` leaves it to the buckets), a barrier, each rank's slice reduced from
   every rank's copy and written back into all of them with the same native pass, a barrier.
-  The hierarchical path makes these passes and meets its peers at least this often, so it
-  cannot scale better than this configuration: the distance from the limit to the floor is
-  memory traffic and the ranks' skew; from the floor to hpc_horovod, the engine's own cost;
+  The hierarchical path makes these passes and meets its peers at least this often, on the
+  same core as the training here, so it cannot scale better than this configuration: the
+  distance from the limit to the floor is memory traffic and the ranks' skew; from the floor
+  to hpc_horovod, the engine's own cost;
 * ``horovod.torch`` when Horovod is importable (skipped, and said so, when not: ``make bench
   HOROVOD=DIR`` puts a Horovod built in DIR on the path);
 * for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.

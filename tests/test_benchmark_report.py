@@ -105,7 +105,8 @@ def test_report_computes_the_targets(tmp_path):
     assert target("mlp: hpc_horovod.torch (hierarchical) scaling").endswith(
         "| x0.900 | >= 0.85 | yes |")
     # the floor has no goal; a model measured without one has no row
-    assert target("mlp: floor of the hierarchical path's scaling efficiency").endswith("| x0.960 | - | - |")
+    assert target("mlp: floor of the hierarchical path's scaling efficiency").endswith(
+        "| x0.960 | - | - |")
     assert not any(line.startswith("| cnn: floor") for line in lines)
     assert "| hpc_horovod.torch (hierarchical) | 11.00 | 10.00 - 12.00 | x1.200 (x1.100 - " \
         "x1.300) | 90% (85% - 95%) | 2.00 ms | 1 |" in text

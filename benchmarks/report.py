@@ -203,7 +203,9 @@ def training_lines(result: dict) -> list[str]:
              + ", ".join(f"`{k}={v}`" for k, v in meta["malloc"].items())
              + "): adaptive ones make torch fault its gradient temporaries in again at every "
              "step in some processes and not in others. Page faults: minor page faults per "
-             "timed step of the worst process (median over rounds).", ""]
+             "timed step of the worst process (median over rounds). CPU per step: of the "
+             "training thread, and of the process's other threads (engine, MPI, gloo, "
+             "TensorFlow), each of the process that used most (median over rounds).", ""]
     for model, section in result["models"].items():
         lines += [f"### {model}: {section['description']}", ""]
         rows = []
@@ -215,10 +217,14 @@ def training_lines(result: dict) -> list[str]:
                          _spread(c["vs_reference"]) if "vs_reference" in c else "-",
                          _spread(c["efficiency"], percent=True),
                          f"{statistics.median(exposed):.2f} ms" if exposed else "-",
-                         f"{statistics.median(c['rounds_page_faults_per_step']):.0f}"])
+                         f"{statistics.median(c['rounds_page_faults_per_step']):.0f}",
+                         *(f"{statistics.median(c[key]):.2f} ms" if key in c else "-"
+                           for key in ("rounds_thread_cpu_ms_per_step",
+                                       "rounds_other_threads_cpu_ms_per_step"))])
         lines += table(["configuration", "steps/s", "range over rounds",
                         f"ratio to {reference}" if reference else "ratio to the reference",
-                        "scaling efficiency", "last bucket exposed", "page faults"], rows)
+                        "scaling efficiency", "last bucket exposed", "page faults",
+                        "training thread CPU per step", "other threads' CPU per step"], rows)
     steps = {name: rounds for name, rounds in result["one_process_step"].items() if rounds}
     if steps:
         lines += [f"One process, {meta['step_pairs']} CNN steps of each alternated per round: "

@@ -40,6 +40,10 @@ temporaries are returned to the kernel and faulted in again at every step (thous
 faults a step), in others not, so that one process of a job, or one run of a configuration, is
 20% slower than the next at random. Each worker reports its minor page faults per timed step.
 
+Each worker also reports the CPU time per step of its training thread and of its other threads
+(hpc_horovod's engine thread, Horovod's background thread, MPI's, gloo's and TensorFlow's
+threads): with one core per process, the other threads' CPU is taken from the training.
+
 A job's rate is its steps per second: timed steps over the time of its slowest process.
 Scaling efficiency is a configuration's rate over the limit's in the same round; ratios are
 taken round by round. hpc_horovod's workers also measure the exposed time of the last bucket:
@@ -116,21 +120,27 @@ def _step(model, optimizer, data, target) -> None:
     optimizer.step()
 
 
-def timed(step, args) -> tuple[float, float]:
-    """(steps per second, minor page faults per step) of this process over ``args.steps``
-    calls of ``step()``, after ``args.warmup`` untimed ones."""
+def timed(step, args) -> tuple[float, float, float, float]:
+    """What this process measured over ``args.steps`` calls of ``step()``, after
+    ``args.warmup`` untimed ones: (steps per second, minor page faults per step, CPU ms per
+    step of the calling thread, CPU ms per step of the process's other threads: the engine's,
+    MPI's, gloo's, TensorFlow's pools)."""
     for _ in range(args.warmup):
         step()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, thread_cpu = time.process_time(), time.thread_time()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     elapsed = time.perf_counter() - start
+    thread_cpu = time.thread_time() - thread_cpu
+    cpu = time.process_time() - cpu
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return args.steps / elapsed, faults / args.steps
+    return (args.steps / elapsed, faults / args.steps, thread_cpu / args.steps * 1e3,
+            (cpu - thread_cpu) / args.steps * 1e3)
 
 
-def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float]:
+def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float, float, float]:
     """:func:`timed` training steps of ``model`` on this rank's batch."""
     data, target = _batch(args.model, args.batch_size, rank)
     return timed(lambda: step(model, optimizer, data, target), args)
@@ -138,6 +148,13 @@ def measure(model, optimizer, args, rank: int, step=_step) -> tuple[float, float
 
 def _report(**result) -> None:
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _report_measured(per_rank: list, **extra) -> None:
+    """:func:`_report` of every rank's :func:`timed` tuple, one list per quantity."""
+    _report(rates=[r[0] for r in per_rank], faults_per_step=[r[1] for r in per_rank],
+            thread_cpu_ms=[r[2] for r in per_rank], other_threads_cpu_ms=[r[3] for r in per_rank],
+            **extra)
 
 
 def torch_worker(args, module: str) -> None:
@@ -171,18 +188,18 @@ def torch_worker(args, module: str) -> None:
         with optimizer.skip_synchronize():
             optimizer.step()
 
-    rate, faults = measure(model, optimizer, args, hvd.rank(), step)
+    measured = measure(model, optimizer, args, hvd.rank(), step)
     exposed_ms = statistics.median(exposed[args.warmup:]) * 1e3
-    rates = hvd.allgather(torch.tensor([[rate, exposed_ms, faults]],
-                                       dtype=torch.float64)).tolist()
+    per_rank = hvd.allgather(torch.tensor([[*measured, exposed_ms]],
+                                          dtype=torch.float64)).tolist()
     if hvd.rank() == 0:
         backend = None
         if hvd.__name__.startswith("hpc_horovod"):  # the host backend that ran
             from hpc_horovod.common import basics
 
             backend = getattr(getattr(basics.engine(), "backend", None), "name", None)
-        _report(rates=[r[0] for r in rates], exposed_ms=[r[1] for r in rates],
-                faults_per_step=[r[2] for r in rates], module=hvd.__file__, backend=backend)
+        _report_measured(per_rank, exposed_ms=[r[4] for r in per_rank], module=hvd.__file__,
+                         backend=backend)
     hvd.shutdown()
 
 
@@ -267,10 +284,9 @@ def floor_worker(args) -> None:
     checksum = float(sum(p.detach().double().sum() for p in params))
     if len(set(comm.allgather(checksum))) != 1:
         raise SystemExit("the floor's replicas diverged: its reduction is wrong")
-    rates = comm.gather(measured)
+    per_rank = comm.gather(measured)
     if rank == 0:
-        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
-                module=_native.__file__)
+        _report_measured(per_rank, module=_native.__file__)
     comm.Barrier()
     window.Free()
 
@@ -317,11 +333,10 @@ def tf_worker(args) -> None:
     train_step()  # builds the optimizer's slots, so that they can be broadcast
     hvd.broadcast_variables(model.variables, root_rank=0)
     hvd.broadcast_variables(optimizer.variables, root_rank=0)
-    rate, faults = timed(train_step, args)
-    rates = hvd.allgather(tf.constant([[rate, faults]], dtype=tf.float64)).numpy().tolist()
+    per_rank = hvd.allgather(tf.constant([timed(train_step, args)],
+                                         dtype=tf.float64)).numpy().tolist()
     if hvd.rank() == 0:
-        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
-                module=hvd.__file__)
+        _report_measured(per_rank, module=hvd.__file__)
     hvd.shutdown()
 
 
@@ -340,11 +355,10 @@ def gloo_worker(args, ddp: bool) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dist.barrier()
     measured = measure(model, optimizer, args, rank)
-    rates = [None] * dist.get_world_size()
-    dist.all_gather_object(rates, measured)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, measured)
     if rank == 0:
-        _report(rates=[r[0] for r in rates], faults_per_step=[r[1] for r in rates],
-                module=torch.__file__)
+        _report_measured(per_rank, module=torch.__file__)
     dist.destroy_process_group()
 
 
@@ -515,6 +529,7 @@ def main(argv=None) -> None:
     rates = {(model, name): [] for model, name, _ in plan}
     exposed = {(model, name): [] for model, name, _ in plan}
     faults = {(model, name): [] for model, name, _ in plan}
+    cpu = {(model, name): {"thread": [], "other": []} for model, name, _ in plan}
     modules: dict[str, str] = {}
     steps: dict[str, list[dict]] = {name: [] for name in steppers}
     for round_ in range(args.rounds):
@@ -525,9 +540,12 @@ def main(argv=None) -> None:
             if "exposed_ms" in result:
                 exposed[model, name].append(statistics.median(result["exposed_ms"]))
             faults[model, name].append(max(result["faults_per_step"]))  # the worst process
+            cpu[model, name]["thread"].append(max(result["thread_cpu_ms"]))
+            cpu[model, name]["other"].append(max(result["other_threads_cpu_ms"]))
             modules[name] = result["module"]
             print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} "
-                  f"{rates[model, name][-1]:7.2f} steps/s"
+                  f"{rates[model, name][-1]:7.2f} steps/s, CPU per step "
+                  f"{cpu[model, name]['thread'][-1]:.2f} + {cpu[model, name]['other'][-1]:.2f} ms"
                   + (f", last bucket exposed {exposed[model, name][-1]:.2f} ms"
                      if exposed[model, name] else ""), file=sys.stderr, flush=True)
         if "cnn" in models:
@@ -556,6 +574,8 @@ def main(argv=None) -> None:
             if exposed[m, name]:
                 c["rounds_last_bucket_exposed_ms"] = exposed[m, name]
             c["rounds_page_faults_per_step"] = faults[m, name]
+            c["rounds_thread_cpu_ms_per_step"] = cpu[m, name]["thread"]
+            c["rounds_other_threads_cpu_ms_per_step"] = cpu[m, name]["other"]
             configurations.append(c)
             vs = (f"  x{c['vs_reference']['median']:.3f} ({c['vs_reference']['min']:.3f}-"
                   f"{c['vs_reference']['max']:.3f}) of the reference" if before else "")

@@ -52,7 +52,8 @@ def write_results(folder: Path) -> None:
                               "half": section("float16", "hvd.allreduce float16", half)}}
     ours, before = "hpc_horovod.torch (hierarchical)", "hpc_horovod.torch at abc1234"
 
-    def config(name: str, rates: list, vs: float, efficiency: float, exposed=None) -> dict:
+    def config(name: str, rates: list, vs: float, efficiency: float, exposed=None,
+               cpu=None) -> dict:
         c = {"name": name, "module": "m", "rounds_steps_per_sec": rates,
              "vs_reference": {"median": vs, "min": vs - 0.1, "max": vs + 0.1},
              "efficiency": {"median": efficiency, "min": efficiency - 0.05,
@@ -60,6 +61,8 @@ def write_results(folder: Path) -> None:
              "rounds_page_faults_per_step": [0.0, 2048.0, 1.0]}
         if exposed:
             c["rounds_last_bucket_exposed_ms"] = exposed
+        if cpu:  # results from before the CPU columns have none
+            c["rounds_thread_cpu_ms_per_step"], c["rounds_other_threads_cpu_ms_per_step"] = cpu
         return c
 
     training = {
@@ -71,7 +74,8 @@ def write_results(folder: Path) -> None:
                      malloc={"MALLOC_MMAP_THRESHOLD_": "33554432"}),
         "models": {
             "mlp": {"description": "an MLP", "configurations": [
-                config(ours, [12.0, 10.0], 1.2, 0.9, [1.0, 3.0]),
+                config(ours, [12.0, 10.0], 1.2, 0.9, [1.0, 3.0],
+                       ([9.0, 10.0, 11.0], [1.0, 1.5, 2.0])),
                 config(before, [10.0, 8.0], 1.0, 0.75, [4.0, 4.0]),
                 config("plain optimizer", [13.0, 11.0], 1.3, 1.0),
                 config("plain optimizer + passes by hand", [12.5, 10.5], 1.25, 0.96)]},
@@ -109,9 +113,10 @@ def test_report_computes_the_targets(tmp_path):
         "| x0.960 | - | - |")
     assert not any(line.startswith("| cnn: floor") for line in lines)
     assert "| hpc_horovod.torch (hierarchical) | 11.00 | 10.00 - 12.00 | x1.200 (x1.100 - " \
-        "x1.300) | 90% (85% - 95%) | 2.00 ms | 1 |" in text
+        "x1.300) | 90% (85% - 95%) | 2.00 ms | 1 | 10.00 ms | 1.50 ms |" in text
     assert "malloc thresholds fixed (`MALLOC_MMAP_THRESHOLD_=33554432`)" in text
     assert "| plain optimizer | 12.00 | 11.00 - 13.00 |" in text
+    assert target("plain optimizer | 12.00").endswith("| - | 1 | - | - |")  # measured without
     assert target("One process").endswith("| x1.010 | <= 1.02 | yes |")
     # 16 MiB: MPI 4 ms / ours 5 ms = 0.8, 32 MiB: 1.25; the worst size counts
     assert target("hvd.allreduce_, 16 MiB").endswith("| x0.800 | >= 0.95 | **no** |")

@@ -258,11 +258,11 @@ def floor_worker(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     params = list(model.parameters())
     count = sum(p.numel() for p in params)
-    itemsize = params[0].element_size()
-    window = MPI.Win.Allocate_shared(count * itemsize, itemsize, comm=comm)
-    copies = [np.frombuffer(window.Shared_query(q)[0], dtype=np.float32, count=count)
+    dtype = params[0].detach().numpy().dtype
+    window = MPI.Win.Allocate_shared(count * dtype.itemsize, dtype.itemsize, comm=comm)
+    copies = [np.frombuffer(window.Shared_query(q)[0], dtype=dtype, count=count)
               for q in range(k)]
-    lo, hi = slice_bounds(count, itemsize, k, rank)
+    lo, hi = slice_bounds(count, dtype.itemsize, k, rank)
     slices = [c[lo:hi] for c in copies]
     views = [v.view(p.shape) for p, v in
              zip(params, torch.from_numpy(copies[rank]).split([p.numel() for p in params]))]
@@ -529,7 +529,8 @@ def main(argv=None) -> None:
     rates = {(model, name): [] for model, name, _ in plan}
     exposed = {(model, name): [] for model, name, _ in plan}
     faults = {(model, name): [] for model, name, _ in plan}
-    cpu = {(model, name): {"thread": [], "other": []} for model, name, _ in plan}
+    thread_cpu = {(model, name): [] for model, name, _ in plan}
+    other_cpu = {(model, name): [] for model, name, _ in plan}
     modules: dict[str, str] = {}
     steps: dict[str, list[dict]] = {name: [] for name in steppers}
     for round_ in range(args.rounds):
@@ -540,12 +541,12 @@ def main(argv=None) -> None:
             if "exposed_ms" in result:
                 exposed[model, name].append(statistics.median(result["exposed_ms"]))
             faults[model, name].append(max(result["faults_per_step"]))  # the worst process
-            cpu[model, name]["thread"].append(max(result["thread_cpu_ms"]))
-            cpu[model, name]["other"].append(max(result["other_threads_cpu_ms"]))
+            thread_cpu[model, name].append(max(result["thread_cpu_ms"]))
+            other_cpu[model, name].append(max(result["other_threads_cpu_ms"]))
             modules[name] = result["module"]
             print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} "
                   f"{rates[model, name][-1]:7.2f} steps/s, CPU per step "
-                  f"{cpu[model, name]['thread'][-1]:.2f} + {cpu[model, name]['other'][-1]:.2f} ms"
+                  f"{thread_cpu[model, name][-1]:.2f} + {other_cpu[model, name][-1]:.2f} ms"
                   + (f", last bucket exposed {exposed[model, name][-1]:.2f} ms"
                      if exposed[model, name] else ""), file=sys.stderr, flush=True)
         if "cnn" in models:
@@ -574,8 +575,8 @@ def main(argv=None) -> None:
             if exposed[m, name]:
                 c["rounds_last_bucket_exposed_ms"] = exposed[m, name]
             c["rounds_page_faults_per_step"] = faults[m, name]
-            c["rounds_thread_cpu_ms_per_step"] = cpu[m, name]["thread"]
-            c["rounds_other_threads_cpu_ms_per_step"] = cpu[m, name]["other"]
+            c["rounds_thread_cpu_ms_per_step"] = thread_cpu[m, name]
+            c["rounds_other_threads_cpu_ms_per_step"] = other_cpu[m, name]
             configurations.append(c)
             vs = (f"  x{c['vs_reference']['median']:.3f} ({c['vs_reference']['min']:.3f}-"
                   f"{c['vs_reference']['max']:.3f}) of the reference" if before else "")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +44,10 @@ print(f"rank {RANK}: started", flush=True)
 
 def freeze() -> None:
     (out / "frozen_at").write_text(f"{time.time():.3f}")
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # To this thread, not the process: a process-directed SIGSTOP goes to whichever thread the
+    # kernel picks (the main one, asleep in a wait), and until that thread has run the calling
+    # one may return and go on into the data call, whose peers then complete.
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 if scenario == "negotiation":

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from ..common import topology as topology_mod
 from ..common.config import Settings
 from ..common.errors import MpiWiringError, TopologyError
+from ..common.negotiation import words_for
 from .base import Backend
 
 
@@ -135,7 +136,8 @@ def host_backend(comm, settings: Settings) -> Backend:
     if settings.hierarchical_allreduce:
         from . import hierarchical
 
-        return hierarchical.create(comm, settings.fusion_threshold, settings.peer_timeout_s)
+        return hierarchical.create(comm, settings.fusion_threshold, settings.peer_timeout_s,
+                                   negotiation_words=words_for(settings.cache_capacity))
     from .mpi import MpiBackend
 
     return MpiBackend(comm)

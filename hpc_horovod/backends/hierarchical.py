@@ -22,11 +22,15 @@ at most :data:`CHUNK_BYTES` (a smaller one is MPI's own ``Allreduce``, faster th
    overlapping the reduction of the next on the other ranks. Nodes of different sizes go in
    chunks of a whole staging area, with two arrivals each and the leader's in between.
 
-A node makes no MPI data call at all. Arrivals are counters in the window (MPI's unified memory
-model: ``Win_sync`` before a counter's store, after the loads that saw it): a rank that waits
-knows which peers are late, names them after ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up at once
-when the engine's alarm (handed over at each negotiation) says a peer failed, and yields its
-core meanwhile.
+A node makes no MPI data call at all, and on one node the engine's negotiation goes through the
+window too (every rank's words, one arrival, their AND), not through MPI. Arrivals are counters
+in the window (MPI's unified memory model: ``Win_sync`` before a counter's store, after the
+loads that saw it): a rank that waits knows which peers are late, names them after
+``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up when the engine's alarm (handed over at each
+negotiation) says a peer failed, and meanwhile keeps its core while a thread of the rank waits
+for a result (``common.patience``), or else sleeps in the kernel until the last peer's arrival
+wakes it (see :class:`NodeWindow`): a wait in the background costs no CPU however long it
+lasts, and ends as soon as the peers are there.
 After the last arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 
@@ -42,6 +46,8 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -50,9 +56,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common import patience
+from ..common.config import Settings
 from ..common.errors import HorovodInternalError, SharedMemoryError
+from ..common.negotiation import words_for
 from ..common.types import HALF_DTYPES, OP_NAMES, Max, Min, Product, Sum
 from .mpi import MpiBackend, sub_communicator
+from .waiting import no_answer
 
 try:
     from .. import _native  # type: ignore[attr-defined]
@@ -62,7 +71,12 @@ except ImportError:  # pragma: no cover - depends on the build
 log = logging.getLogger("hpc_horovod")
 
 ALIGN = 64  # slice bounds and handed-out memory on cache lines
-_LINE = ALIGN // 8  # int64s per control line
+_LINE = ALIGN // 8  # int64s per control line: arrivals, two published offsets, asleep
+_ASLEEP = 3  # the control line's word that says its rank blocks until an arrival wakes it
+#: The negotiation words a window holds by default: those of the default response cache.
+_WORDS = words_for(Settings.cache_capacity)
+#: A wait blocked until a peer's arrival wakes it looks at the engine's alarm this often.
+BLOCK_S = 0.05
 #: windows given up by free() while views of them may live: mapped until the process exits
 _retained: list = []
 SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
@@ -155,15 +169,61 @@ def window_problem(node_bytes: int, per_rank: int, local_size: int) -> str | Non
     return None
 
 
+def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
+    """Collective over ``node``: this rank's wake socket (non-blocking, bound to a name of the
+    abstract namespace, which no file backs and the kernel drops with the process) and every
+    rank's name. Raises SharedMemoryError when a peer's socket cannot be reached: ranks that
+    share memory but not a network namespace (containers that share only IPC)."""
+    token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
+    names = [f"\0hpc_horovod-{token}-{q}".encode() for q in range(node.Get_size())]
+    me = node.Get_rank()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(names[me])
+        sock.setblocking(False)
+        node.Barrier()
+        problem = None
+        for q in range(node.Get_size()):
+            if q != me:
+                try:
+                    sock.sendto(b"", names[q])
+                except OSError as exc:
+                    problem = (f"rank {me} of this node cannot reach the wake socket of its "
+                               f"local rank {q} ({exc}): ranks that share memory must share a "
+                               f"network namespace too; run them in one, or turn the stage "
+                               f"off with {SWITCH_OFF}")
+                    break
+        problems = [p for p in node.allgather(problem) if p is not None]
+        if problems:
+            raise SharedMemoryError(problems[0])
+        try:
+            while True:
+                sock.recv(64)
+        except BlockingIOError:
+            pass
+    except BaseException:
+        sock.close()
+        raise
+    return sock, names
+
+
 class NodeWindow:
     """The window of the ranks of one node: rank ``q``'s segment is ``segment(q)``, its first
     half a staging area and its second half the memory :meth:`take` hands out; rank 0's holds
-    the control lines before it (one per rank: arrival counter, published data offset).
+    the control area before it: one line per rank (arrival counter, published data offsets,
+    whether it is asleep), then every rank's negotiation words, two slots each.
+
+    A wait for peers that does not keep its core (see ``common.patience``) blocks in the kernel
+    on this rank's wake socket (a datagram socket of the abstract namespace, named after a
+    token of this window): a rank that arrives sends one byte to every peer whose line says it
+    is asleep. The waiter says so, then looks at the counters once more before it blocks; the
+    arriving rank stores its counter, then reads the flags; a full barrier (``Win_sync``)
+    between the store and the load on both sides means that one of them sees the other's.
 
     Creating it is collective over ``node`` (every rank of which shares this node's memory)."""
 
     def __init__(self, node: MPI.Comm, data_bytes: int, global_ranks: list[int],
-                 timeout_s: float):
+                 timeout_s: float, negotiation_words: int = _WORDS):
         self.node = node
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self.global_ranks = global_ranks
@@ -171,14 +231,21 @@ class NodeWindow:
         half = max(4096, data_bytes // 2 // 4096 * 4096)  # a page each, whatever the threshold
         self.staging_bytes = half
         self.data_bytes = 2 * half
-        ctrl_bytes = -(-self.size * ALIGN // 4096) * 4096
+        words = -(-negotiation_words // _LINE) * _LINE
+        ctrl_words = self.size * _LINE + self.size * 2 * words
+        ctrl_bytes = -(-ctrl_words * 8 // 4096) * 4096
         problem = window_problem(self.size * self.data_bytes + ctrl_bytes,
                                  self.data_bytes, self.size)
         problems = [p for p in node.allgather(problem) if p is not None]
         if problems:
             raise SharedMemoryError(problems[0])
+        self._sock, self._wake_names = _wake_sockets(node)
         mine = self.data_bytes + (ctrl_bytes if self.rank == 0 else 0)
-        self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        try:
+            self.win = MPI.Win.Allocate_shared(mine, 1, comm=node)
+        except BaseException:
+            self._sock.close()
+            raise
         self.segments = []
         for q in range(self.size):
             memory, _ = self.win.Shared_query(q)
@@ -199,6 +266,13 @@ class NodeWindow:
         self.counters = self._lines[:self.size * _LINE:_LINE]  # every rank's arrivals
         #: where every rank's data lies, one slot per parity of chunk (see ``published``)
         self._published = [self._lines[1 + slot:self.size * _LINE:_LINE] for slot in (0, 1)]
+        self._asleep = self._lines[_ASLEEP:self.size * _LINE:_LINE]
+        #: every rank's negotiation words, in two slots used in turn (see ``negotiate``)
+        self._words = self.ctrl[self.size * _LINE:ctrl_words].view(np.uint64).reshape(
+            self.size, 2, words)
+        self._negotiations = 0
+        self._poll = select.poll()
+        self._poll.register(self._sock.fileno(), select.POLLIN)
         #: views of the segments by (rank, byte offset, count, dtype): a chunk's views are the
         #: same at every step of a training loop (staging halves, buckets at fixed offsets)
         self._views: dict = {}
@@ -234,17 +308,22 @@ class NodeWindow:
         return None
 
     # -- arrivals --------------------------------------------------------------------------------
-    def arrive(self, offset: int, what: str, slot: int = 0) -> None:
-        """Publish ``offset`` (in ``published(slot)``) and wait for every rank of the node to
-        arrive here too; raise HorovodInternalError naming the ranks that did not within the
-        peer timeout."""
+    def arrive(self, offset: int | None, what: str, slot: int = 0) -> None:
+        """Publish ``offset`` (in ``published(slot)``; None: nothing) and wait for every rank
+        of the node to arrive here too; raise HorovodInternalError naming the ranks that did
+        not within the peer timeout."""
         seq = self.seq = self.seq + 1
         line, lines = self.rank * _LINE, self._lines
-        lines[line + 1 + slot] = offset
+        if offset is not None:
+            lines[line + 1 + slot] = offset
         # Unified memory model: the data and the offset are visible to every peer before the
         # counter that says they are ready (release) ...
-        self.win.Sync()
+        sync = self.win.Sync
+        sync()
         lines[line] = seq
+        sync()  # ... and the counter before the flags of the peers asleep are read
+        if max(self._asleep):
+            self._wake_peers()
         if min(self.counters) < seq:  # a stale read here only means one more look in _wait
             self._wait(seq, what)
         # ... and no load of a peer's data comes before the counters that said it is ready
@@ -256,6 +335,30 @@ class NodeWindow:
         a rank that runs one arrival ahead overwrites the other slot, never the one its peers
         may still read."""
         return self._published[slot]
+
+    def negotiate(self, words: np.ndarray) -> None:
+        """In-place bitwise AND of ``words`` over the node's ranks, through the window: one
+        arrival. The slots alternate: a rank writes a slot again two negotiations later, after
+        an arrival that every rank makes only once it has read that slot."""
+        n = words.size
+        if n > self._words.shape[2]:
+            raise ValueError(f"{n} negotiation words, the window holds {self._words.shape[2]}")
+        slot = self._negotiations & 1
+        self._negotiations += 1
+        every = self._words[:, slot, :n]
+        every[self.rank] = words
+        self.arrive(None, "negotiation")
+        np.bitwise_and.reduce(every, axis=0, out=words)
+
+    def _wake_peers(self) -> None:
+        """One byte to every peer asleep in a wait (a full socket already holds one)."""
+        asleep, sock, names = self._asleep, self._sock, self._wake_names
+        for q in range(self.size):
+            if asleep[q] and q != self.rank:
+                try:
+                    sock.sendto(b"w", names[q])
+                except OSError:  # full (a wake is pending), or the peer closed its window
+                    pass
 
     def _wait(self, seq: int, what: str) -> None:
         counters = self.counters
@@ -273,12 +376,29 @@ class NodeWindow:
                 raise alarm.error.copy()
             if self.timeout_s and now - pace.start > self.timeout_s:
                 late = [self.global_ranks[q] for q in range(self.size) if counters[q] < seq]
-                raise HorovodInternalError(
-                    f"rank(s) {', '.join(map(str, late))} did not arrive in the node's shared "
-                    f"window ({what}) for {self.timeout_s:.0f} s: a peer died or is blocked "
-                    "(raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for "
-                    "longer)")
-            pace.pause(now)
+                raise no_answer(self.size, self.timeout_s, what, alarm,
+                                f"rank(s) {', '.join(map(str, late))} did not arrive in the "
+                                "node's shared window: a peer died or is blocked")
+            if pace.yields(now):
+                os.sched_yield()
+            else:
+                self._block(seq, now - pace.start)
+
+    def _block(self, seq: int, waited: float) -> None:
+        """Sleep until a peer's arrival wakes this rank, ``BLOCK_S`` at most (then the caller
+        looks at the alarm and the deadline again)."""
+        asleep, me = self._asleep, self.rank
+        asleep[me] = 1
+        self.win.Sync()  # the flag before the counters are read (see the class docstring)
+        if min(self.counters) < seq:
+            left = self.timeout_s - waited if self.timeout_s else BLOCK_S
+            self._poll.poll(max(1, int(1000 * min(BLOCK_S, left))))
+        asleep[me] = 0
+        try:
+            while True:
+                self._sock.recv(64)
+        except BlockingIOError:
+            pass
 
     def data(self, q: int, offset: int, lo: int, hi: int, dtype: np.dtype) -> np.ndarray:
         """Elements ``[lo, hi)`` of ``dtype`` from byte ``offset`` of rank ``q``'s segment."""
@@ -305,6 +425,7 @@ class NodeWindow:
             self.win.Unlock_all()
             _retained.append(self.win)
             self.win = None
+            self._sock.close()
 
     def close(self) -> None:
         """Collective over the node: free the window, unless a rank still has views of it
@@ -329,9 +450,10 @@ class NodeWindow:
         self.win.Unlock_all()
         self._views.clear()
         self.segments = self.ctrl = self.counters = self._published = self._arena = None
-        self._lines = None
+        self._lines = self._asleep = self._words = None
         self.win.Free()
         self.win = None
+        self._sock.close()
 
 
 class HierarchicalBackend(MpiBackend):
@@ -344,10 +466,13 @@ class HierarchicalBackend(MpiBackend):
     name = "hierarchical"
 
     def __init__(self, comm: MPI.Comm, node: MPI.Comm, window_bytes: int, timeout_s: float,
-                 mpi_below_bytes: int = MPI_BELOW_BYTES):
+                 mpi_below_bytes: int = MPI_BELOW_BYTES,
+                 negotiation_words: int = _WORDS):
         """Collective over ``comm``, whose ranks ``node`` splits into nodes (ranks that share
         memory); the backend owns both communicators from now on. Allreduces of fewer than
-        ``mpi_below_bytes`` go to MPI's ``Allreduce``."""
+        ``mpi_below_bytes`` go to MPI's ``Allreduce``; negotiations take up to
+        ``negotiation_words`` words (``negotiation.words_for`` the response cache's capacity).
+        """
         super().__init__(comm)
         self.mpi_below_bytes = mpi_below_bytes
         self.node = node
@@ -363,19 +488,26 @@ class HierarchicalBackend(MpiBackend):
             leader = self.local_rank == 0
             self.cross = comm.Split(color=0 if leader else MPI.UNDEFINED, key=self.rank)
         self.window_bytes, self.timeout_s = window_bytes, timeout_s
+        self.negotiation_words = negotiation_words
         self._bounds_of: dict = {}  # see _bounds
         try:
-            self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s)
+            self.window = NodeWindow(node, window_bytes, node.allgather(self.rank), timeout_s,
+                                     negotiation_words)
         except BaseException:
             if self.cross != MPI.COMM_NULL:
                 self.cross.Free()
             raise
 
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
-        """:meth:`MpiBackend.negotiate`; the window's waits for peers of the cycle it starts
-        give up as soon as ``alarm.error`` is set too."""
+        """The bitwise AND of ``words`` over the set: on one node through the window (one
+        arrival, whose wait a peer's arrival wakes), across nodes :meth:`MpiBackend.negotiate`.
+        The window's waits for peers of the cycle it starts give up as soon as ``alarm.error``
+        is set."""
         self.window.alarm = alarm
-        super().negotiate(words, timeout_s, alarm)
+        if self.cross_size == 1:
+            self.window.negotiate(words)
+        else:
+            super().negotiate(words, timeout_s, alarm)
 
     # -- memory ----------------------------------------------------------------------------------
     def bucket_memory(self, nbytes: int) -> np.ndarray | None:
@@ -544,7 +676,7 @@ class HierarchicalBackend(MpiBackend):
         this one."""
         comm = sub_communicator(self.comm, ranks)
         return None if comm is None else create(comm, self.window_bytes, self.timeout_s,
-                                                self.mpi_below_bytes)
+                                                self.mpi_below_bytes, self.negotiation_words)
 
     def free(self) -> None:
         """Locally: keep the window mapped (see :meth:`NodeWindow.retire`), free the
@@ -573,7 +705,8 @@ def _supported(dtype: np.dtype, op: int) -> bool:
 
 
 def create(comm: MPI.Comm, window_bytes: int, timeout_s: float,
-           mpi_below_bytes: int = MPI_BELOW_BYTES) -> MpiBackend:
+           mpi_below_bytes: int = MPI_BELOW_BYTES,
+           negotiation_words: int = _WORDS) -> MpiBackend:
     """Collective over ``comm`` (which the backend owns from now on): a
     :class:`HierarchicalBackend` over the nodes MPI sees (``COMM_TYPE_SHARED``), or a plain
     :class:`MpiBackend` when every node holds one rank of ``comm`` (plain MPI is then all
@@ -589,7 +722,8 @@ def create(comm: MPI.Comm, window_bytes: int, timeout_s: float,
         node.Free()
         return MpiBackend(comm)
     try:
-        return HierarchicalBackend(comm, node, window_bytes, timeout_s, mpi_below_bytes)
+        return HierarchicalBackend(comm, node, window_bytes, timeout_s, mpi_below_bytes,
+                                   negotiation_words)
     except BaseException:
         node.Free()
         raise

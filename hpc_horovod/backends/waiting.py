@@ -55,16 +55,18 @@ class RequestWaiter:
             if alarm is not None and alarm.error is not None:
                 raise alarm.error.copy()
             if timeout_s and now - pace.start > timeout_s:
-                raise self._timed_out(timeout_s, what, alarm)
+                raise no_answer(self.size, timeout_s, what, alarm)
             pace.pause(now)
 
-    def _timed_out(self, timeout_s: float, what: str, alarm) -> HorovodInternalError:
-        """The error of a wait past its deadline: with a side channel (``alarm.census``, see
-        ``common.watch``) it names the ranks that did not answer and where the others are."""
-        census = getattr(alarm, "census", None)
-        where = (census() if census is not None else "a peer process is blocked outside "
-                 "Python, or its host stopped answering")
-        return HorovodInternalError(
-            f"no answer from some of the {self.size} ranks for {timeout_s:.0f} s ({what}): "
-            f"{where} (raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for "
-            "longer)")
+
+def no_answer(size: int, timeout_s: float, what: str, alarm,
+              late: str = "a peer process is blocked outside Python, or its host stopped "
+                          "answering") -> HorovodInternalError:
+    """The error of a wait for peers past its deadline: with a side channel (``alarm.census``,
+    see ``common.watch``) it names the ranks that did not answer and where the others are;
+    without one, ``late`` says what the waiter knows."""
+    census = getattr(alarm, "census", None)
+    where = census() if census is not None else late
+    return HorovodInternalError(
+        f"no answer from some of the {size} ranks for {timeout_s:.0f} s ({what}): {where} "
+        "(raise HOROVOD_PEER_TIMEOUT_SECONDS if a rank legitimately stops for longer)")

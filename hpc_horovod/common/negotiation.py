@@ -108,6 +108,12 @@ class ResponseCache:
 _WORD = (1 << 64) - 1
 
 
+def words_for(capacity: int) -> int:
+    """The most words a negotiation vector takes with a response cache of ``capacity`` names:
+    the two flag words and one per 64 cache bits."""
+    return 2 + -(-max(capacity, 0) // 64)
+
+
 def pack_words(or_flags: int, and_flags: int, bits: int, nwords: int) -> np.ndarray:
     """The negotiation vector: inverted OR flags, AND flags, then the cache bits (a writable
     array of ``2 + nwords`` little-endian words, built from one integer: a cycle's Python runs

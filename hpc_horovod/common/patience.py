@@ -63,10 +63,14 @@ class Pace:
     def spinning(self, now: float) -> bool:
         return now < self._spin_until
 
+    def yields(self, now: float) -> bool:
+        """Whether a pause now keeps the core (yields) rather than leaves it: some thread waits
+        for a result, and the wait is younger than ``YIELD_S``."""
+        return bool(_waiting) and now - self.start < YIELD_S
+
     def pause(self, now: float) -> None:
         """Yield the core, or sleep a little (longer once the wait is long)."""
-        waited = now - self.start
-        if _waiting and waited < YIELD_S:
+        if self.yields(now):
             os.sched_yield()
         else:
-            time.sleep(20e-6 if waited < 0.01 else 200e-6)
+            time.sleep(20e-6 if now - self.start < 0.01 else 200e-6)

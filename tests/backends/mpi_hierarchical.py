@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import ml_dtypes
 import numpy as np
@@ -289,6 +290,46 @@ def test_process_set(flat, hier):
         assert np.all(x == 1 + SIZE)
     finally:
         sub.close()
+
+
+@pytest.mark.parametrize("nwords", [2, 3, 18, 2, 17])
+def test_negotiation_is_the_bitwise_and_of_every_rank(hier, nwords):
+    """Through the window on one node: the same words as MPI's AND, negotiation after
+    negotiation (the slots alternate) and whatever the number of words."""
+    rng = np.random.default_rng([RANK, nwords])
+    words = rng.integers(0, 1 << 63, nwords, dtype=np.uint64) | np.uint64(0x8000_0000_0000_F00F)
+    expected = words.copy()
+    WORLD.Allreduce(MPI.IN_PLACE, expected, op=MPI.BAND)
+    for _ in range(3):
+        got = words.copy()
+        hier.negotiate(got, 30.0)
+        assert got.tolist() == expected.tolist()
+
+
+def test_negotiation_longer_than_the_window_is_refused(hier):
+    with pytest.raises(ValueError, match="1000 negotiation words, the window holds 24"):
+        hier.negotiate(np.zeros(1000, np.uint64), 30.0)
+
+
+def test_a_wait_that_leaves_its_core_blocks_until_the_last_peer_arrives(hier, monkeypatch):
+    """With no thread waiting for a result, a wait for peers sleeps in the kernel, without
+    looking again and again, and the last peer's arrival wakes it at once (not after the
+    longest sleep, made 20 s here)."""
+    monkeypatch.setattr(hierarchical, "BLOCK_S", 20.0, raising=False)
+    late = SIZE - 1
+    WORLD.Barrier()
+    if RANK == late:
+        time.sleep(1.0)
+        arrived = time.monotonic()
+        hier.window.arrive(0, "a test")
+    else:
+        cpu = time.thread_time()
+        hier.window.arrive(0, "a test")
+        cpu, woke = time.thread_time() - cpu, time.monotonic()
+    arrived = WORLD.bcast(arrived if RANK == late else None, root=late)
+    if RANK != late:
+        assert woke - arrived < 1.0, f"woken {woke - arrived:.3f} s after the arrival"
+        assert cpu < 0.03, f"{cpu * 1e3:.1f} ms of CPU in a wait of one second"
 
 
 def test_window_too_large_fails_with_size_limit_and_switch():

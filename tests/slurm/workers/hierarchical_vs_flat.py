@@ -101,8 +101,9 @@ def check_optimizer() -> None:
     for name, p in alone.named_parameters():
         saved[f"local.{name}"] = p.grad.numpy().copy()
     optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    # before backward: the buckets' reductions may be over before synchronize() is called
     seq = getattr(BACKEND, "window", None) and BACKEND.window.seq
+    torch.nn.functional.mse_loss(model(x), y).backward()
     optimizer.synchronize()
     for bucket in optimizer._buckets:
         assert bucket.flat.nbytes >= hierarchical.MPI_BELOW_BYTES, bucket.flat.nbytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 
 import ml_dtypes
@@ -330,6 +331,24 @@ def test_a_wait_that_leaves_its_core_blocks_until_the_last_peer_arrives(hier, mo
     if RANK != late:
         assert woke - arrived < 1.0, f"woken {woke - arrived:.3f} s after the arrival"
         assert cpu < 0.03, f"{cpu * 1e3:.1f} ms of CPU in a wait of one second"
+
+
+def test_ranks_that_cannot_wake_each_other_are_refused(monkeypatch):
+    """Ranks that share memory but not a network namespace cannot reach each other's wake
+    sockets (made so here: the last rank binds another name): every rank refuses the window,
+    naming who cannot reach whom and the switch."""
+    if RANK == SIZE - 1:
+        class Elsewhere(socket.socket):
+            def bind(self, address):
+                super().bind(address + b"-elsewhere")
+
+        monkeypatch.setattr(socket, "socket", Elsewhere)
+    with pytest.raises(SharedMemoryError) as info:
+        hierarchical.create(WORLD.Dup(), 1 << 20, 30.0)
+    text = str(info.value)
+    assert f"rank 0 of this node cannot reach the wake socket of its local rank {SIZE - 1}" \
+        in text, text
+    assert "HOROVOD_HIERARCHICAL_ALLREDUCE=0" in text
 
 
 def test_window_too_large_fails_with_size_limit_and_switch():

@@ -169,6 +169,15 @@ def window_problem(node_bytes: int, per_rank: int, local_size: int) -> str | Non
     return None
 
 
+def _drain(sock: socket.socket) -> None:
+    """Read every datagram pending on the non-blocking ``sock``."""
+    try:
+        while True:
+            sock.recv(64)
+    except BlockingIOError:
+        pass
+
+
 def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
     """Collective over ``node``: this rank's wake socket (non-blocking, bound to a name of the
     abstract namespace, which no file backs and the kernel drops with the process) and every
@@ -196,11 +205,7 @@ def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
         problems = [p for p in node.allgather(problem) if p is not None]
         if problems:
             raise SharedMemoryError(problems[0])
-        try:
-            while True:
-                sock.recv(64)
-        except BlockingIOError:
-            pass
+        _drain(sock)  # the peers' probes
     except BaseException:
         sock.close()
         raise
@@ -394,11 +399,7 @@ class NodeWindow:
             left = self.timeout_s - waited if self.timeout_s else BLOCK_S
             self._poll.poll(max(1, int(1000 * min(BLOCK_S, left))))
         asleep[me] = 0
-        try:
-            while True:
-                self._sock.recv(64)
-        except BlockingIOError:
-            pass
+        _drain(self._sock)
 
     def data(self, q: int, offset: int, lo: int, hi: int, dtype: np.dtype) -> np.ndarray:
         """Elements ``[lo, hi)`` of ``dtype`` from byte ``offset`` of rank ``q``'s segment."""

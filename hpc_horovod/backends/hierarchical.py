@@ -29,8 +29,9 @@ loads that saw it): a rank that waits knows which peers are late, names them aft
 ``HOROVOD_PEER_TIMEOUT_SECONDS``, gives up when the engine's alarm (handed over at each
 negotiation) says a peer failed, and meanwhile keeps its core while a thread of the rank waits
 for a result (``common.patience``), or else sleeps in the kernel until the last peer's arrival
-wakes it (see :class:`NodeWindow`): a wait in the background costs no CPU however long it
-lasts, and ends as soon as the peers are there.
+wakes it (see :class:`NodeWindow`): a wait in the background costs little CPU however long it
+lasts, and ends as soon as the peers are there. Either way it calls into MPI at every turn: Open
+MPI moves this rank's queued messages, which a peer may need to come, only inside its calls.
 After the last arrival no rank touches another's segment for this chunk, so the window is
 never written while a peer still reads it.
 
@@ -75,8 +76,9 @@ _LINE = ALIGN // 8  # int64s per control line: arrivals, two published offsets, 
 _ASLEEP = 3  # the control line's word that says its rank blocks until an arrival wakes it
 #: The negotiation words a window holds by default: those of the default response cache.
 _WORDS = words_for(Settings.cache_capacity)
-#: A wait blocked until a peer's arrival wakes it looks at the engine's alarm this often.
-BLOCK_S = 0.05
+#: A wait blocked until a peer's arrival wakes it comes back this often, to let MPI progress
+#: and to look at the engine's alarm (see :meth:`NodeWindow._wait`).
+BLOCK_S = 0.002
 #: windows given up by free() while views of them may live: mapped until the process exits
 _retained: list = []
 SWITCH_OFF = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
@@ -366,8 +368,13 @@ class NodeWindow:
                     pass
 
     def _wait(self, seq: int, what: str) -> None:
+        """Until every rank's counter reaches ``seq``. Past its first spins, a wait calls into
+        MPI at every turn (an ``Iprobe``): Open MPI moves a rank's messages only inside its
+        MPI calls, and a collective this rank has left may have left eager sends queued that
+        a peer still waits for, inside that collective, before it can come here."""
         counters = self.counters
         sync = self.win.Sync
+        progress = self.node.Iprobe
         pace = patience.Pace()
         while True:
             sync()
@@ -376,6 +383,7 @@ class NodeWindow:
             now = time.perf_counter()
             if pace.spinning(now):
                 continue
+            progress(MPI.ANY_SOURCE, MPI.ANY_TAG)
             alarm = self.alarm
             if alarm is not None and alarm.error is not None:
                 raise alarm.error.copy()
@@ -391,7 +399,7 @@ class NodeWindow:
 
     def _block(self, seq: int, waited: float) -> None:
         """Sleep until a peer's arrival wakes this rank, ``BLOCK_S`` at most (then the caller
-        looks at the alarm and the deadline again)."""
+        calls into MPI and looks at the alarm and the deadline again)."""
         asleep, me = self._asleep, self.rank
         asleep[me] = 1
         self.win.Sync()  # the flag before the counters are read (see the class docstring)

@@ -333,6 +333,37 @@ def test_a_wait_that_leaves_its_core_blocks_until_the_last_peer_arrives(hier, mo
         assert cpu < 0.03, f"{cpu * 1e3:.1f} ms of CPU in a wait of one second"
 
 
+def test_a_rank_waiting_in_the_window_keeps_mpi_moving():
+    """Open MPI moves a rank's messages only inside its MPI calls. Rank 0 waits in the window
+    while its eager sends are still queued (a collective it has left may leave it so); rank 1
+    must receive them all before it comes: rank 0's wait keeps MPI moving, or neither ends
+    before the peer timeout."""
+    backend = hierarchical.create(WORLD.Dup(), 1 << 20, 10.0)
+    count, payload = 20_000, np.arange(1 << 10, dtype=np.int32).view(np.uint8)[:1 << 10]
+    try:
+        WORLD.Barrier()
+        start = time.monotonic()
+        if RANK == 0:
+            requests = [WORLD.Isend(payload, dest=1, tag=77) for _ in range(count)]
+            try:
+                backend.window.arrive(0, "a test")
+            finally:
+                MPI.Request.Waitall(requests)
+        elif RANK == 1:
+            time.sleep(0.5)  # rank 0 waits in the window by now
+            received = np.empty_like(payload)
+            for _ in range(count):
+                WORLD.Recv(received, source=0, tag=77)
+            assert np.array_equal(received, payload)
+            backend.window.arrive(0, "a test")
+        else:
+            backend.window.arrive(0, "a test")
+        elapsed = time.monotonic() - start
+        assert elapsed < 6.0, f"{elapsed:.1f} s"
+    finally:
+        backend.close()
+
+
 def test_ranks_that_cannot_wake_each_other_are_refused(monkeypatch):
     """Ranks that share memory but not a network namespace cannot reach each other's wake
     sockets (made so here: the last rank binds another name): every rank refuses the window,

@@ -171,6 +171,14 @@ def window_problem(node_bytes: int, per_rank: int, local_size: int) -> str | Non
     return None
 
 
+def _refuse_if_any(node: MPI.Comm, problem: str | None) -> None:
+    """Collective over ``node``: raise SharedMemoryError on every rank with the first rank's
+    ``problem`` when any rank has one, so that no rank goes on half set up."""
+    problems = [p for p in node.allgather(problem) if p is not None]
+    if problems:
+        raise SharedMemoryError(problems[0])
+
+
 def _drain(sock: socket.socket) -> None:
     """Read every datagram pending on the non-blocking ``sock``."""
     try:
@@ -204,9 +212,7 @@ def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
                                f"network namespace too; run them in one, or turn the stage "
                                f"off with {SWITCH_OFF}")
                     break
-        problems = [p for p in node.allgather(problem) if p is not None]
-        if problems:
-            raise SharedMemoryError(problems[0])
+        _refuse_if_any(node, problem)
         _drain(sock)  # the peers' probes
     except BaseException:
         sock.close()
@@ -243,9 +249,7 @@ class NodeWindow:
         ctrl_bytes = -(-ctrl_words * 8 // 4096) * 4096
         problem = window_problem(self.size * self.data_bytes + ctrl_bytes,
                                  self.data_bytes, self.size)
-        problems = [p for p in node.allgather(problem) if p is not None]
-        if problems:
-            raise SharedMemoryError(problems[0])
+        _refuse_if_any(node, problem)
         self._sock, self._wake_names = _wake_sockets(node)
         mine = self.data_bytes + (ctrl_bytes if self.rank == 0 else 0)
         try:

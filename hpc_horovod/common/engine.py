@@ -90,12 +90,20 @@ class _Synchronous:
     def __enter__(self) -> None:
         local = self._local
         local.depth = getattr(local, "depth", 0) + 1
+        if local.depth == 1:
+            engine = self._engine
+            with engine._count_lock:
+                engine._synchronous_threads += 1
 
     def __exit__(self, *exc_info) -> None:
         local = self._local
         local.depth -= 1
+        if local.depth:
+            return
         engine = self._engine
-        if not local.depth and not engine._callers and not engine._idle():
+        with engine._count_lock:
+            engine._synchronous_threads -= 1
+        if not engine._callers and not engine._idle():
             engine._wake()
 
 
@@ -118,6 +126,10 @@ class Engine:
         # the work to them until the last one goes (see _loop).
         self._callers = 0
         self._local = threading.local()  # .depth: this thread is inside synchronous ops
+        #: threads inside synchronous ops: what they submit, they run the cycles for themselves
+        #: (a count that a lost update would leave wrong for good: changed under a lock)
+        self._synchronous_threads = 0
+        self._count_lock = threading.Lock()
         self._synchronous = _Synchronous(self)
         self._done = threading.Condition()  # notified when a stopping engine fails requests
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
@@ -441,8 +453,15 @@ class Engine:
             # a peer's work cannot be ready before this rank submits it too, and a submission
             # wakes the engine at once. So an engine with nothing of its own backs off, even
             # right after work, and does not take the core from the training thread (or make
-            # a peer's engine wait for it) between a training step's buckets.
-            idle_s = cycle_s if self._has_work() else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
+            # a peer's engine wait for it) between a training step's buckets. Work that a
+            # caller submitted during this cycle is the caller's to run: were it counted here,
+            # the pace would stay at HOROVOD_CYCLE_TIME, a timer cycle would start in every
+            # gap between synchronous ops and meet a peer's op cycle, and every op would take
+            # one more round of negotiation.
+            # (A caller that leaves work behind wakes the engine: _leave, and
+            # _Synchronous.__exit__ for the thread of a synchronous op.)
+            mine = self._has_work() and not (self._callers or self._synchronous_threads)
+            idle_s = cycle_s if mine else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
 
     def _has_work(self) -> bool:
         """Some request of this rank is queued or pending (a join included)."""

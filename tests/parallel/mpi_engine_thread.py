@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import hpc_horovod as hvd
 from hpc_horovod.common import basics
+from hpc_horovod.common import engine as engine_module
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -90,3 +91,27 @@ def test_another_threads_op_moves_meanwhile() -> None:
         thread.join(30)
     assert np.all(x == SIZE)
 
+
+
+def test_synchronous_ops_leave_the_engine_thread_backed_off(on_thread: list[float]) -> None:
+    """Between synchronous ops the rank does other work (here a sleep), with nothing pending:
+    the engine thread then backs off to a timer cycle every ``IDLE_MAX_S``. A cycle of its own
+    that an op's submission meets must not reset that pace (the op is the caller's to run): the
+    thread would then start a cycle in every gap, each one taking the place of a peer's op
+    cycle, and every op would pay one more round of negotiation."""
+    ops, gap_s = 40, 0.005
+    x = np.ones(1024)
+    hvd.allreduce_(x, name="warm", op=hvd.Sum)
+    COMM.Barrier()
+    before, start = len(on_thread), time.monotonic()
+    for _ in range(ops):
+        time.sleep(gap_s)
+        COMM.Barrier()
+        x[...] = RANK + 1.0
+        hvd.allreduce_(x, name="gap", op=hvd.Sum)
+        assert np.all(x == SIZE * (SIZE + 1) / 2)
+    ran, took = len(on_thread) - before, time.monotonic() - start
+    # the timer's cycles as it backs off from HOROVOD_CYCLE_TIME (1, 2, 4, .. ms) to IDLE_MAX_S
+    allowed = 8 + took / engine_module.IDLE_MAX_S
+    assert ran <= allowed, (f"the engine thread ran {ran} cycles in {ops} gaps between "
+                            f"synchronous ops ({took:.2f} s; {allowed:.0f} allowed)")

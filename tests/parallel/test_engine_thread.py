@@ -7,4 +7,4 @@ from pathlib import Path
 
 from support import mpi_checks
 
-test_engine_thread = mpi_checks(Path(__file__).with_name("mpi_engine_thread.py"), ranks=(2, 3))
+test_engine_thread = mpi_checks(Path(__file__).with_name("mpi_engine_thread.py"), ranks=(2, 3, 4))

@@ -14,7 +14,8 @@ prints every thread's stack to ``$HVD_CHECKS_REPORT.stacks`` and ends the proces
 the wait for the other ranks before it) goes on a minute past its timeout: a wait inside MPI
 itself, which no signal handler interrupts (a collective that the other ranks never call, after a
 check failed on some of them); the launcher then ends the job, and the outer run reports the checks
-that finished and this one, with the stacks."""
+that finished and this one, with the stacks. With ``HVD_TEST_ONE_CORE`` set, each rank binds itself
+to one core first (the engine's ``overlaps``: host work then runs on the thread that waits)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def pytest_configure(config) -> None:
         _report = open(path, "w")  # noqa: SIM115
         _stacks = open(path + ".stacks", "w")  # noqa: SIM115
         faulthandler.enable(file=_stacks)  # a crash's stacks (pytest captures stderr)
+        if os.environ.get("HVD_TEST_ONE_CORE"):  # a rank bound to one core (engine.overlaps)
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[MPI.COMM_WORLD.Get_rank() % len(cores)]})
 
 
 def pytest_runtest_logreport(report) -> None:

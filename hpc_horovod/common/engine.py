@@ -12,7 +12,9 @@ Cycles are collectives, so they run one at a time (``_cycle_lock``), but not alw
 engine thread: a caller blocked in :meth:`Engine.wait` runs them itself, which saves the two
 thread switches of a hand-off, and the engine thread leaves them to it meanwhile. The thread is
 still what moves asynchronous work that nobody waits for yet, and what keeps idle peers
-company; synchronous ops do not even wake it (:meth:`Engine.synchronous`).
+company; synchronous ops do not even wake it (:meth:`Engine.synchronous`). On a rank that runs
+on one core, where nothing overlaps the training anyway, host work does not wake it either: it
+is run by the thread that waits for it (:func:`overlaps`).
 
 Lifecycle (:class:`State`): RUNNING from creation (a caller may run cycles before the thread
 starts); STOPPING once ``shutdown()`` asked (the next cycle tells every rank); then STOPPED
@@ -30,6 +32,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +59,21 @@ _HANDLES = itertools.count()
 _DUPLICATE = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as "
               "another tensor that is currently being processed.  If you want to request "
               "another tensor, use a different tensor name. [{}]")
+
+
+def overlaps() -> bool:
+    """Whether this process may run on more than one core (its CPU affinity). With one, the
+    engine thread and the training thread never run at once: a host reduction in the
+    background cannot overlap the training, it only takes turns with it on the core, and pays
+    the thread switches and the peers' wake-ups of work done out of sight (a rank bound to one
+    core: ``srun --cpus-per-task=1``, ``hpc-horovod run`` with one core per rank). There, the
+    thread that waits for a host result runs its cycles, on its own core, as the synchronous
+    ops do; device work (NCCL on the GPU's stream) still starts at once, and host work nobody
+    waits for yet moves at the engine's idle pace."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):  # not Linux
+        return True
 
 
 class State(enum.Enum):
@@ -103,7 +121,7 @@ class _Synchronous:
         engine = self._engine
         with engine._count_lock:
             engine._synchronous_threads -= 1
-        if not engine._callers and not engine._idle():
+        if not engine._callers and engine._left_over():
             engine._wake()
 
 
@@ -120,6 +138,8 @@ class Engine:
         self._members: dict[int, list[int]] = {0: list(range(backend.size))}
         self._next_set_id = 1
         self._queue: collections.deque[Request] = collections.deque()
+        #: whether the engine thread runs host work in the background (see :func:`overlaps`)
+        self.overlaps = overlaps()
         self._cond = threading.Condition()
         self._sleeping = False  # the engine waits on _cond: submitters must notify it
         # Threads inside wait(): they run the cycles themselves, and the engine thread leaves
@@ -236,7 +256,7 @@ class Engine:
         req.handle = handle = next(self._handle_counter)
         self._handles[handle] = req
         self._queue.append(req)
-        if self._sleeping:
+        if self._sleeping and (self.overlaps or req.signature.device):
             self._on_sleeping_engine()
         if self.stopped:  # stopped meanwhile: nobody else will complete it
             self._fail_leftovers()
@@ -260,7 +280,7 @@ class Engine:
         thread's work, or what an error cut short) to the engine thread, unless it is inside
         a synchronous op, whose exit does that."""
         self._callers -= 1
-        if not self._callers and not getattr(self._local, "depth", 0) and not self._idle():
+        if not self._callers and not getattr(self._local, "depth", 0) and self._left_over():
             self._wake()
 
     def synchronous(self) -> _Synchronous:
@@ -430,10 +450,10 @@ class Engine:
                         self._cond.wait(cycle_s)
                 continue
             woken = False
-            if not self._queue and self._state is State.RUNNING:
+            if not self._eager(self._queue) and self._state is State.RUNNING:
                 with self._cond:
                     self._sleeping = True  # set before looking: see submit
-                    if not self._queue and self._state is State.RUNNING:
+                    if not self._eager(self._queue) and self._state is State.RUNNING:
                         woken = self._cond.wait(idle_s)
                     self._sleeping = False
             with self._cycle_lock:
@@ -457,16 +477,30 @@ class Engine:
             # caller submitted during this cycle is the caller's to run: were it counted here,
             # the pace would stay at HOROVOD_CYCLE_TIME, a timer cycle would start in every
             # gap between synchronous ops and meet a peer's op cycle, and every op would take
-            # one more round of negotiation.
-            # (A caller that leaves work behind wakes the engine: _leave, and
-            # _Synchronous.__exit__ for the thread of a synchronous op.)
-            mine = self._has_work() and not (self._callers or self._synchronous_threads)
+            # one more round of negotiation (a caller that leaves work behind wakes the
+            # engine: _leave, and _Synchronous.__exit__ for the thread of a synchronous op).
+            # Host work on a rank of one core is not the thread's own either (see overlaps):
+            # it moves at the idle pace until somebody waits for it.
+            mine = self._own_work() and not (self._callers or self._synchronous_threads)
             idle_s = cycle_s if mine else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
 
-    def _has_work(self) -> bool:
-        """Some request of this rank is queued or pending (a join included)."""
-        return bool(self._queue) or any(ps.pending or ps.join_request
-                                        for ps in self._sets.values())
+    def _eager(self, requests) -> bool:
+        """Whether some of ``requests`` is work the engine thread runs as soon as it can: any
+        request where it overlaps the training (see :func:`overlaps`), else a device one."""
+        if self.overlaps:
+            return bool(requests)
+        return any(req.signature.device for req in requests)
+
+    def _own_work(self) -> bool:
+        """Some request of this rank that the engine thread runs as soon as it can
+        (:meth:`_eager`) is queued or pending, or a join is."""
+        eager = self._eager
+        return eager(self._queue) or any(ps.join_request or eager(ps.pending.values())
+                                         for ps in self._sets.values())
+
+    def _left_over(self) -> bool:
+        """What a leaving caller hands to the engine thread: its own work, or a stop."""
+        return self._state is not State.RUNNING or self._own_work()
 
     def _idle(self) -> bool:
         return (not self._queue and self._state is State.RUNNING

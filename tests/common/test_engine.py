@@ -6,6 +6,8 @@ is one a waiter ran; a failure inside such a cycle must end the engine as one in
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ import pytest
 from hpc_horovod.backends.single import SingleBackend
 from hpc_horovod.common import patience
 from hpc_horovod.common.config import Settings
-from hpc_horovod.common.engine import Engine
+from hpc_horovod.common.engine import IDLE_MAX_S, Engine
 from hpc_horovod.common.errors import HorovodInternalError
 from hpc_horovod.common.request import Request, signature_of
 from hpc_horovod.common.types import Sum
@@ -153,6 +155,45 @@ def test_another_threads_submission_still_wakes_the_engine_thread(slow_engine):
     finally:
         leave.set()
         thread.join(10)
+
+
+# -- a rank of one core: host work runs on the thread that waits for it -------------------------
+
+def test_overlaps_follows_the_cpu_affinity():
+    """``overlaps()`` in a child whose affinity is one core, then every core of this process."""
+    cores = sorted(os.sched_getaffinity(0))
+    code = ("import os, sys; from hpc_horovod.common.engine import overlaps; "
+            "os.sched_setaffinity(0, {int(c) for c in sys.argv[1:]}); print(overlaps())")
+    for chosen, expected in (([cores[0]], "False"), (cores, str(len(cores) > 1))):
+        out = subprocess.run([sys.executable, "-c", code, *map(str, chosen)], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+        assert out == expected, (chosen, out)
+
+
+def test_on_one_core_an_asynchronous_host_op_is_left_to_its_waiter(slow_engine):
+    engine, wakes = slow_engine
+    engine.overlaps = False
+    x = np.arange(4.0)
+    handle = engine.submit(allreduce("deferred", x))
+    assert engine.asleep and not wakes and not engine.poll(handle)
+    np.testing.assert_array_equal(engine.wait(handle).result, x)
+    assert not wakes and engine.asleep  # nothing was left for the thread
+
+
+def test_on_one_core_host_work_nobody_waits_for_moves_at_the_idle_pace():
+    engine = Engine(SingleBackend(), Settings())
+    engine.overlaps = False
+    wakes = []
+    engine.on_wake = lambda: wakes.append(1)
+    engine.start()
+    try:
+        _wait_for(lambda: engine.asleep, "the engine thread to fall asleep")
+        handle = engine.submit(allreduce("unwaited", np.ones(3)))
+        _wait_for(lambda: engine.poll(handle), "a timer cycle to complete the request",
+                  timeout_s=20 * IDLE_MAX_S)
+        assert not wakes  # the thread's own timer, not the submission
+    finally:
+        engine.shutdown()
 
 
 class _PatienceBackend(SingleBackend):

@@ -6,6 +6,7 @@ on this rank and the engine thread's on the late one."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -115,3 +116,35 @@ def test_synchronous_ops_leave_the_engine_thread_backed_off(on_thread: list[floa
     allowed = 8 + took / engine_module.IDLE_MAX_S
     assert ran <= allowed, (f"the engine thread ran {ran} cycles in {ops} gaps between "
                             f"synchronous ops ({took:.2f} s; {allowed:.0f} allowed)")
+
+
+def test_the_binding_decides_whether_host_work_overlaps() -> None:
+    """A rank bound to one core (``HVD_TEST_ONE_CORE``) runs its host work on the thread that
+    waits for it: an asynchronous submission leaves the engine thread as it is, and the
+    result is the same."""
+    hvd.init()
+    engine = basics.engine()
+    one_core = len(os.sched_getaffinity(0)) == 1
+    assert engine.overlaps is not one_core
+    assert one_core is bool(os.environ.get("HVD_TEST_ONE_CORE"))
+    wakes: list[int] = []
+    engine.on_wake = lambda: wakes.append(1)
+    try:
+        for n in (10, 1 << 17):  # through MPI, and through the node's window
+            x = np.full(n, RANK + 1.0)
+            COMM.Barrier()
+            _wait_until_asleep(engine)
+            handle = hvd.allreduce_async_(x, name=f"overlap.{n}", op=hvd.Sum)
+            if one_core:
+                assert not wakes, "a host submission woke the engine thread of a one-core rank"
+            hvd.synchronize(handle)
+            assert np.all(x == SIZE * (SIZE + 1) / 2)
+    finally:
+        engine.on_wake = None
+
+
+def _wait_until_asleep(engine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not engine.asleep:
+        assert time.monotonic() < deadline, "the engine thread never fell asleep"
+        time.sleep(0.001)

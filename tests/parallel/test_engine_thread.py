@@ -8,3 +8,5 @@ from pathlib import Path
 from support import mpi_checks
 
 test_engine_thread = mpi_checks(Path(__file__).with_name("mpi_engine_thread.py"), ranks=(2, 3, 4))
+test_engine_thread_on_one_core = mpi_checks(Path(__file__).with_name("mpi_engine_thread.py"),
+                                            ranks=(2, 3), env={"HVD_TEST_ONE_CORE": "1"})

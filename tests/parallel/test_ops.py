@@ -21,6 +21,11 @@ test_fusion = mpi_checks(HERE / "mpi_fusion.py", ranks=(2, 3))
 test_process_sets = mpi_checks(HERE / "mpi_process_sets.py", ranks=(2, 3, 4),
                                env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
 test_steps = mpi_checks(HERE / "mpi_steps.py", ranks=(2, 3))
+# Ranks bound to one core each: host work runs on the thread that waits for it, not in the
+# background (engine.overlaps).
+ONE_CORE = {"HVD_TEST_ONE_CORE": "1"}
+test_ops_on_one_core = mpi_checks(HERE / "mpi_ops.py", ranks=(2, 3), env=ONE_CORE)
+test_steps_on_one_core = mpi_checks(HERE / "mpi_steps.py", ranks=(2, 3), env=ONE_CORE)
 
 
 SCRIPT_AFTER_CHECK_BUILD = """

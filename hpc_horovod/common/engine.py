@@ -485,18 +485,20 @@ class Engine:
             idle_s = cycle_s if mine else min(idle_s * 2, max(cycle_s, IDLE_MAX_S))
 
     def _eager(self, requests) -> bool:
-        """Whether some of ``requests`` is work the engine thread runs as soon as it can: any
-        request where it overlaps the training (see :func:`overlaps`), else a device one."""
+        """Whether some of ``requests`` (the queue, or a set's pending requests) is work the
+        engine thread runs as soon as it can: any request where it overlaps the training (see
+        :func:`overlaps`), else a device one. Other threads change these containers: they are
+        looked at through a copy (``tuple`` takes it under the GIL, in one step)."""
         if self.overlaps:
             return bool(requests)
-        return any(req.signature.device for req in requests)
+        return any(req.signature.device for req in tuple(requests))
 
     def _own_work(self) -> bool:
         """Some request of this rank that the engine thread runs as soon as it can
         (:meth:`_eager`) is queued or pending, or a join is."""
         eager = self._eager
         return eager(self._queue) or any(ps.join_request or eager(ps.pending.values())
-                                         for ps in self._sets.values())
+                                         for ps in tuple(self._sets.values()))
 
     def _left_over(self) -> bool:
         """What a leaving caller hands to the engine thread: its own work, or a stop."""

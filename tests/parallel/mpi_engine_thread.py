@@ -93,7 +93,6 @@ def test_another_threads_op_moves_meanwhile() -> None:
     assert np.all(x == SIZE)
 
 
-
 def test_synchronous_ops_leave_the_engine_thread_backed_off(on_thread: list[float]) -> None:
     """Between synchronous ops the rank does other work (here a sleep), with nothing pending:
     the engine thread then backs off to a timer cycle every ``IDLE_MAX_S``. A cycle of its own

@@ -4,7 +4,8 @@ and :mod:`execution` (how agreed tensors run).
 
 Callers enqueue :class:`Request` objects and get handles back at once. The engine thread wakes as
 soon as something is enqueued (and, since peers may need it, every ``HOROVOD_CYCLE_TIME`` ms
-while busy, backing off to ``IDLE_MAX_S`` while every rank is idle), and runs a cycle: the queue
+while busy, backing off to ``IDLE_MAX_S`` while every rank is idle, both counted from the
+rank's last cycle, whichever thread ran it), and runs a cycle: the queue
 is admitted, then the coordinator runs one round on each process set this rank belongs to, in
 id order, and the handles it completes wake their callers.
 
@@ -182,6 +183,9 @@ class Engine:
         #: claimed and queued: a test's window on a stop that lands right there
         self.on_submit = None
         self._cycles = 0
+        #: when this rank's last cycle ended, whichever thread ran it: the engine thread's
+        #: pace counts from there (see _loop)
+        self._cycle_ended = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hpc_horovod-engine",
                                          daemon=True)
 
@@ -453,8 +457,18 @@ class Engine:
             if not self._eager(self._queue) and self._state is State.RUNNING:
                 with self._cond:
                     self._sleeping = True  # set before looking: see submit
-                    if not self._eager(self._queue) and self._state is State.RUNNING:
-                        woken = self._cond.wait(idle_s)
+                    # The pace is the longest this rank goes without a cycle: it counts from
+                    # the last one, which a waiting caller may have run meanwhile. A rank whose
+                    # training thread waits for its buckets every step has kept its peers
+                    # company already; a timer cycle in the middle of its next backward would
+                    # only agree on part of the step's buckets (one more round for the rest)
+                    # and make the caller that comes to wait queue behind it for the lock.
+                    while not woken and not self._eager(self._queue) \
+                            and self._state is State.RUNNING:
+                        left = self._cycle_ended + idle_s - time.monotonic()
+                        if left <= 0:
+                            break
+                        woken = self._cond.wait(left)
                     self._sleeping = False
             with self._cycle_lock:
                 stopped = self.stopped
@@ -530,6 +544,7 @@ class Engine:
             log.exception("hpc_horovod engine failed")
         finally:
             self.whereabouts.now = IDLE
+            self._cycle_ended = time.monotonic()
 
     def _cycle(self) -> bool:
         """Admit the queue, then one negotiation and execution round on every process set;

@@ -14,8 +14,12 @@ prints every thread's stack to ``$HVD_CHECKS_REPORT.stacks`` and ends the proces
 the wait for the other ranks before it) goes on a minute past its timeout: a wait inside MPI
 itself, which no signal handler interrupts (a collective that the other ranks never call, after a
 check failed on some of them); the launcher then ends the job, and the outer run reports the checks
-that finished and this one, with the stacks. With ``HVD_TEST_ONE_CORE`` set, each rank binds itself
-to one core first (the engine's ``overlaps``: host work then runs on the thread that waits)."""
+that finished and this one, with the stacks. Every rank's fixtures have run before any rank's
+check starts: a check that begins with ``hvd.shutdown()`` would otherwise stop the engine of a
+slower peer (a shutdown stops every rank) before that peer's fixture looked at it, and the peer
+would start a new engine alone, in a collective nobody else calls. With ``HVD_TEST_ONE_CORE``
+set, each rank binds itself to one core first (the engine's ``overlaps``: host work then runs on
+the thread that waits)."""
 
 from __future__ import annotations
 
@@ -91,3 +95,11 @@ def _in_step(request):
         faulthandler.dump_traceback_later(timeout + 60, exit=True, **watchdog)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """After this check's fixtures, failed or not, wait for every rank's (see the module's
+    docstring)."""
+    yield
+    _world().Barrier()

@@ -14,6 +14,10 @@ once: the cycle is given up and the engine stops on every rank with a message na
 
 from __future__ import annotations
 
+# ``_signal`` is the C module behind ``signal``, called directly at every cycle: it takes and
+# returns plain numbers and handlers, without the enum conversions that ``signal``'s wrappers
+# add to each call (they cost more than the rest of a small allreduce's cycle).
+import _signal
 import signal
 import threading
 
@@ -22,7 +26,7 @@ import threading
 #: to a running program. Reading every signal's handler at each cycle would cost more than the
 #: cycle of a small allreduce; a handler of another signal that raises during a cycle stops the
 #: engine on every rank with a message instead (Engine.wait).
-_SIGNALS = [getattr(signal, name) for name in (
+_SIGNALS = [int(getattr(signal, name)) for name in (
     "SIGINT", "SIGTERM", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU",
     "SIGVTALRM", "SIGPROF") if hasattr(signal, name)]
 
@@ -40,17 +44,17 @@ class HeldSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
         hold = self._hold
-        for signum, handler in zip(_SIGNALS, map(signal.getsignal, _SIGNALS)):
+        for signum, handler in zip(_SIGNALS, map(_signal.getsignal, _SIGNALS)):
             if callable(handler):
                 self._saved[signum] = handler
-                signal.signal(signum, hold)
+                _signal.signal(signum, hold)
         return self
 
     def _hold(self, signum, frame) -> None:
         if self._held:  # the second: handled now
             self._restore()
             self._held.clear()
-            handler = signal.getsignal(signum)
+            handler = _signal.getsignal(signum)
             if callable(handler):
                 handler(signum, frame)
             return
@@ -59,7 +63,7 @@ class HeldSignals:
     def _restore(self) -> None:
         saved, self._saved = self._saved, {}
         for signum, handler in saved.items():
-            signal.signal(signum, handler)
+            _signal.signal(signum, handler)
 
     def __exit__(self, *exc_info) -> None:
         if not self._saved:
@@ -67,6 +71,6 @@ class HeldSignals:
         self._restore()
         held, self._held = self._held, []
         for signum, frame in held:
-            handler = signal.getsignal(signum)
+            handler = _signal.getsignal(signum)
             if callable(handler):
                 handler(signum, frame)

@@ -14,11 +14,10 @@ once: the cycle is given up and the engine stops on every rank with a message na
 
 from __future__ import annotations
 
-# ``_signal`` is the C module behind ``signal``, called directly at every cycle: it takes and
-# returns plain numbers and handlers, without the enum conversions that ``signal``'s wrappers
-# add to each call (they cost more than the rest of a small allreduce's cycle).
+# ``_signal`` is the C module behind ``signal``, used directly: it takes and returns plain
+# numbers and handlers, without the enum conversions that ``signal``'s wrappers add to each call
+# (they cost more than the rest of a small allreduce's cycle).
 import _signal
-import signal
 import threading
 
 #: the signals whose Python handlers are held: those a user, a test runner (pytest-timeout's
@@ -26,9 +25,9 @@ import threading
 #: to a running program. Reading every signal's handler at each cycle would cost more than the
 #: cycle of a small allreduce; a handler of another signal that raises during a cycle stops the
 #: engine on every rank with a message instead (Engine.wait).
-_SIGNALS = [int(getattr(signal, name)) for name in (
+_SIGNALS = [getattr(_signal, name) for name in (
     "SIGINT", "SIGTERM", "SIGALRM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU",
-    "SIGVTALRM", "SIGPROF") if hasattr(signal, name)]
+    "SIGVTALRM", "SIGPROF") if hasattr(_signal, name)]
 
 
 class HeldSignals:

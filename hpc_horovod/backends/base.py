@@ -91,6 +91,13 @@ class Backend:
         no such memory, or none left; the caller then uses memory of its own."""
         return None
 
+    def fusion_memory(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of host memory (uint8, 64-byte aligned) to pack one fused group into,
+        which :meth:`allreduce` then reduces where it lies: the node's shared window. The same
+        memory at every call, so its contents last until the backend's next collective. None
+        when the backend has no such memory, or not that much; the caller then uses its own."""
+        return None
+
     # -- health and lifetime -----------------------------------------------------------------------
     def check_async_error(self) -> None:
         """Raise when the backend saw an asynchronous failure (NCCL: a lost peer or link);

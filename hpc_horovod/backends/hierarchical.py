@@ -5,8 +5,8 @@ and ``Win.Allocate_shared``). An allreduce of :data:`MPI_BELOW_BYTES` or more go
 at most :data:`CHUNK_BYTES` (a smaller one is MPI's own ``Allreduce``, faster there); for each:
 
 1. every rank publishes where its data lies in its segment of the window (a bucket laid out
-   in the window already, or one of two staging halves it copies the chunk into, in turn),
-   then arrives;
+   in the window already, a group of tensors the engine packed into the window, or one of two
+   staging halves it copies the chunk into, in turn), then arrives;
 2. **reduce-scatter inside the node by direct loads**: rank ``i`` of ``k`` reduces slice ``i``
    from every rank's data with the native one-pass kernel (``_native.reduce_slices``:
    pre-scale, the op, post-scale). With one node it writes the result straight into every
@@ -37,7 +37,9 @@ never written while a peer still reads it.
 
 Every rank's segment is ``HOROVOD_FUSION_THRESHOLD`` bytes: a staging half, and a half from
 which :meth:`HierarchicalBackend.bucket_memory` hands gradient buckets out, so that backward
-writes them straight into shared memory. The segment file is unlinked by MPI once every rank
+writes them straight into shared memory. The staging half is also where the engine packs a
+group of tensors it fuses (:meth:`HierarchicalBackend.fusion_memory`): packed there, the group
+is reduced where it lies, with nothing staged. The segment file is unlinked by MPI once every rank
 has mapped it: nothing is left behind by a rank that dies. The window is freed collectively by
 :meth:`HierarchicalBackend.close`; :meth:`free` (local) keeps it mapped until the process
 exits, since views of it (``p.grad``) may still be alive.
@@ -311,6 +313,16 @@ class NodeWindow:
             self._arena_used = end
         return self._arena[start:start + nbytes]
 
+    def scratch(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of this rank's staging half (uint8) for the data of one allreduce, which
+        then needs no staging: the same memory at every call. It starts past the first cache
+        line, where a rank that stages publishes its first chunk (offset 0), so that an offset
+        above 0 says the data lies in the window already (see ``_in_chunks``). None when it
+        does not fit, or the window is closed."""
+        if self.win is None or nbytes > self.staging_bytes - ALIGN:
+            return None
+        return self.segments[self.rank][ALIGN:ALIGN + nbytes]
+
     def offset_of(self, a: np.ndarray) -> int | None:
         """Byte offset of ``a`` in this rank's segment, or None when it lies elsewhere."""
         start = _address(a) - self._lo
@@ -526,6 +538,9 @@ class HierarchicalBackend(MpiBackend):
     def bucket_memory(self, nbytes: int) -> np.ndarray | None:
         return self.window.take(nbytes)
 
+    def fusion_memory(self, nbytes: int) -> np.ndarray | None:
+        return self.window.scratch(nbytes)
+
     # -- data ------------------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: int, send: np.ndarray | None = None,
                   prescale: float = 1.0, postscale: float = 1.0) -> None:
@@ -557,8 +572,9 @@ class HierarchicalBackend(MpiBackend):
         later, after an arrival that tells every peer is done with it.
 
         On one node, when the first chunk's arrival shows every rank's data in the window (a
-        gradient bucket everywhere), nothing is staged and there is nothing to pipeline: the
-        rest goes as one chunk: three arrivals in all, instead of one per chunk. Every rank of
+        gradient bucket or a packed group everywhere: no offset 0, the offset of a staged first
+        chunk), nothing is staged and there is nothing to pipeline: the rest goes as one chunk:
+        three arrivals in all, instead of one per chunk. Every rank of
         the node sees the same offsets, so every rank cuts the same chunks (across nodes the
         chunks' slices pair up in MPI calls, and another node cannot see these offsets)."""
         win, dtype = self.window, out.dtype
@@ -579,8 +595,8 @@ class HierarchicalBackend(MpiBackend):
                 offset = base + lo * item
             win.arrive(offset, "allreduce: data ready", slot)
             offsets = win.published(slot)
-            if c == 0 and self.cross_size == 1 and min(offsets) >= win.staging_bytes:
-                chunk = size  # every rank's data lies in the buckets' half
+            if c == 0 and self.cross_size == 1 and min(offsets) > 0:
+                chunk = size  # every rank's data lies in the window
             if unread is not None:
                 self._stage(unread[0], unread[1], unread[0].size, -1)
             self._reduce_slice(part, results, op, pre, post, offsets)

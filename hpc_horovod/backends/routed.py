@@ -85,6 +85,9 @@ class RoutedBackend(Backend):
     def bucket_memory(self, nbytes: int) -> np.ndarray | None:
         return self.host.bucket_memory(nbytes)
 
+    def fusion_memory(self, nbytes: int) -> np.ndarray | None:
+        return self.host.fusion_memory(nbytes)
+
     def check_async_error(self) -> None:
         self.on_device.check_async_error()
 

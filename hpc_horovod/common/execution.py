@@ -310,14 +310,17 @@ class FusedAllreduce:
                      for req, n in zip(reqs, self.sizes)]
         else:
             parts = [req.tensor for req in reqs]
-        buf = pool.empty((self.total,), wire)
+        # Results that are views of the fusion buffer need fresh memory; the others are copied
+        # out, so the group packs into the backend's fusion memory, which it reduces fastest.
+        as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
+        memory = None if as_views else backend.fusion_memory(self.total * wire.itemsize)
+        buf = pool.empty((self.total,), wire) if memory is None else memory.view(wire)
         # One call packs the whole group, scaling and widening on the way.
         if _native is not None and (pre == 1.0 or dtype.kind == "f"):
             _native.pack(parts, buf, pre)
         else:
             np.concatenate([p.reshape(-1) for p in parts], out=buf, casting="unsafe")
             _scale_inplace(buf, pre)
-        as_views = wire == dtype and all(req is None or req.output is None for req in reqs)
         if not as_views:
             backend.allreduce(buf, op)
             self._unpack(reqs, buf, dtype, post)

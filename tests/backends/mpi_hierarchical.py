@@ -177,13 +177,36 @@ def small(monkeypatch):
     backend.close()
 
 
-def test_chunks_in_and_out_of_the_window_in_turn(flat, small):
-    """Several chunks, with the data in the window on some ranks and staged on the others, and
-    calls back to back (odd and even numbers of chunks): the two staging halves and the two
-    slots of published offsets never mix up a peer's data."""
+def _window_memory(backend, where: str, nbytes: int) -> np.ndarray:
+    """``nbytes`` of the window: a bucket's (``bucket_memory``) or the fused groups'
+    (``fusion_memory``, in the staging half)."""
+    memory = getattr(backend, f"{where}_memory")(nbytes)
+    assert memory is not None, where
+    return memory
+
+
+def test_fusion_memory_in_the_staging_half(hier):
+    """The fused groups' memory: past the first cache line of the staging half (offset 0 is a
+    staged first chunk's), the same at every call, none beyond the half or once closed."""
+    win = hier.window
+    first, again = hier.fusion_memory(4096), hier.fusion_memory(100)
+    assert win.offset_of(first) == win.offset_of(again) == hierarchical.ALIGN
+    assert hier.fusion_memory(win.staging_bytes - hierarchical.ALIGN) is not None
+    assert hier.fusion_memory(win.staging_bytes - hierarchical.ALIGN + 1) is None
+    assert MpiBackend.fusion_memory(hier, 4096) is None  # the flat path has none
+    closed = hierarchical.create(WORLD.Dup(), 64 << 10, 30.0)
+    closed.close()
+    assert closed.fusion_memory(64) is None
+
+
+@pytest.mark.parametrize("where", ["bucket", "fusion"])
+def test_chunks_in_and_out_of_the_window_in_turn(flat, small, where):
+    """Several chunks, with the data in the window (a bucket, or the fused groups' memory) on
+    some ranks and staged on the others, and calls back to back (odd and even numbers of
+    chunks): the two staging halves and the two slots of published offsets never mix up a
+    peer's data."""
     chunk = 4096 // 8
-    memory = small.bucket_memory(4 * chunk * 8)
-    assert memory is not None
+    memory = _window_memory(small, where, 4 * chunk * 8)
     for seed, count in enumerate((3 * chunk - 5, 4 * chunk, 1, chunk + 1, 2 * chunk + 3)):
         for in_window in (RANK == 0, RANK % 2 == 1, True, False):
             x = _values(np.int64, count, seed)
@@ -202,12 +225,15 @@ def test_chunks_in_and_out_of_the_window_in_turn(flat, small):
             assert b.tobytes() == a.tobytes(), (count, in_window)
 
 
-def test_buckets_everywhere_go_in_three_arrivals(flat, small):
-    """Data in the window on every rank: after the first chunk the rest goes at once (three
+@pytest.mark.parametrize("where", ["bucket", "fusion", "both"])
+def test_data_in_the_window_everywhere_goes_in_three_arrivals(flat, small, where):
+    """Data in the window on every rank (buckets, the fused groups' memory, or some ranks'
+    bucket and the others' fusion memory): after the first chunk the rest goes at once (three
     arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
     chunk = 4096 // 8
-    memory = small.bucket_memory(5 * chunk * 8)
-    assert memory is not None
+    if where == "both":
+        where = "bucket" if RANK % 2 else "fusion"
+    memory = _window_memory(small, where, 5 * chunk * 8)
     for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
                                        (5 * chunk - 3, RANK != SIZE - 1, 6)):
         x = _values(np.int64, count, count)

@@ -16,6 +16,7 @@ import pytest
 from reference import inputs, reduce_reference, tolerance
 
 import hpc_horovod as hvd
+from hpc_horovod.common import basics
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -123,3 +124,55 @@ def test_pooled_results_are_not_reused_while_alive():
         assert (out == sum(r + k for r in range(SIZE))).all(), f"pooled result {k} overwritten"
     assert (view == 100.0 * SIZE).all(), "a view into a pooled result was overwritten"
     assert all((f == 7.0 * SIZE).all() for f in fused)
+
+
+#: In-place tensors whose fused groups are above the size MPI reduces alone (the stages' path):
+#: float32 (Sum, Average, prescaled) and int64 groups of 1-3 MiB, packed into the window's
+#: fusion memory when a group fits the staging half, into private memory when it does not.
+INPLACE = [(np.float32 if i % 3 else np.int64, 20_000 + 4_099 * i) for i in range(12)]
+INPLACE_DATA = [inputs(SIZE, dtype, (n,), 9000 + i) for i, (dtype, n) in enumerate(INPLACE)]
+INPLACE_RUNS = {
+    "window": {},  # 128 MiB: every group fits the staging half
+    "private": {"HOROVOD_FUSION_THRESHOLD": str(1 << 20)},  # groups of 1 MiB, half of 512 KiB
+}
+INPLACE_DIGESTS: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("run", INPLACE_RUNS)
+def test_inplace_fused_groups_against_numpy(run, engine_with):
+    engine_with(INPLACE_RUNS[run])
+    backend = basics.engine().backend
+    packed = []  # (bytes asked for, whether the window had them) per fused group
+
+    def fusion_memory(nbytes, asked=backend.fusion_memory):
+        memory = asked(nbytes)
+        packed.append((nbytes, memory is not None))
+        return memory
+
+    backend.fusion_memory = fusion_memory
+    digest = hashlib.sha256()
+    for op, prescale in ((hvd.Sum, 1.0), (hvd.Average, 1.0), (hvd.Sum, 0.5)):
+        tensors = [data[RANK].copy() for data in INPLACE_DATA]
+        handles = [hvd.allreduce_async_(t, name=f"inplace.{op}.{prescale}.{i}", op=op,
+                                        prescale_factor=prescale)
+                   for i, t in enumerate(tensors)]
+        for i, (t, handle) in enumerate(zip(tensors, handles)):
+            assert hvd.synchronize(handle) is t
+            dtype = INPLACE[i][0]
+            expected = reduce_reference(INPLACE_DATA[i], op, prescale)
+            np.testing.assert_allclose(t.astype(np.float64), expected.astype(np.float64),
+                                       err_msg=f"tensor {i}, {op}, {prescale}",
+                                       **tolerance(dtype))
+            digest.update(t.tobytes())
+    everyone = hvd.allgather_object(digest.hexdigest())
+    assert everyone == [everyone[0]] * SIZE, everyone
+    INPLACE_DIGESTS[run] = everyone[0]
+    if run == "window":
+        assert packed and all(got for _, got in packed), packed
+    else:
+        assert any(not got and nbytes > (1 << 20) // 2 for nbytes, got in packed), packed
+
+
+def test_inplace_groups_in_the_window_give_the_bits_of_private_memory():
+    assert set(INPLACE_DIGESTS) == set(INPLACE_RUNS), INPLACE_DIGESTS
+    assert INPLACE_DIGESTS["window"] == INPLACE_DIGESTS["private"], INPLACE_DIGESTS

@@ -72,12 +72,20 @@ def target_rows(allreduce: dict | None, training: dict | None) -> list[list]:
                              "ratios)", mine["vs_reference"]["median"], ">= 1.15"])
             rows.append([f"{model}: {ours} scaling efficiency (steps/s / {training['limit']}'s, "
                          "median of per-round ratios)", mine["efficiency"]["median"], ">= 0.85"])
-            floor = next((c for c in result["configurations"]
-                          if c["name"] == training.get("floor")), None)
-            if floor is not None:
-                rows.append([f"{model}: floor of the hierarchical path's scaling efficiency "
-                             f"({floor['name']}: steps/s / {training['limit']}'s)",
-                             floor["efficiency"]["median"], "-"])
+            same = result.get("same_processes", {}).get(ours)
+            if same is None:
+                continue
+            if "vs_reference" in same:
+                rows.append([f"{model}, in the same processes: {ours} speed-up over {reference} "
+                             "(scaling efficiency over the reference's, median of per-round "
+                             "ratios)", same["vs_reference"]["median"], ">= 1.15"])
+            rows.append([f"{model}, in the same processes: {ours} scaling efficiency (plain step "
+                         "/ DistributedOptimizer step, median over rounds)",
+                         same["efficiency"]["median"], ">= 0.85"])
+            if "floor_efficiency" in same:
+                rows.append([f"{model}, in the same processes: floor of the hierarchical path's "
+                             "scaling efficiency (plain step / the floor's step)",
+                             same["floor_efficiency"]["median"], "-"])
         rounds = training["one_process_step"].get(ours, [])
         ratio = statistics.median(r["ratio"] for r in rounds) if rounds else None
         rows.append(["One process: DistributedOptimizer step / plain optimizer step "
@@ -225,6 +233,22 @@ def training_lines(result: dict) -> list[str]:
                         f"ratio to {reference}" if reference else "ratio to the reference",
                         "scaling efficiency", "last bucket exposed", "page faults",
                         "training thread CPU per step", "other threads' CPU per step"], rows)
+        same = section.get("same_processes")
+        if same:
+            lines += [f"In the same processes, {meta['step_pairs']} steps of each copy of the "
+                      "model in turn per round: the plain optimizer, DistributedOptimizer and, "
+                      "for hpc_horovod, the floor of the hierarchical path (its passes by hand, "
+                      "no engine). Steps: each case's median step of the slowest process, median "
+                      "over rounds; ratios round by round, median (range).", ""]
+            lines += table(["code", "plain step", "DistributedOptimizer step", "floor step",
+                            "scaling efficiency", "floor's scaling efficiency",
+                            f"speed-up over {reference}" if reference else "speed-up"], [
+                [name, *(fmt_time(statistics.median(r[key] for r in s["rounds"]))
+                         if key in s["rounds"][0] else "-"
+                         for key in ("plain_s", "distributed_s", "floor_s")),
+                 *(_spread(s[key], percent=key != "vs_reference") if key in s else "-"
+                   for key in ("efficiency", "floor_efficiency", "vs_reference"))]
+                for name, s in same.items() if s["rounds"]])
     steps = {name: rounds for name, rounds in result["one_process_step"].items() if rounds}
     if steps:
         lines += [f"One process, {meta['step_pairs']} CNN steps of each alternated per round: "

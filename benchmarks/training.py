@@ -21,18 +21,31 @@ round to round, so that load from elsewhere hits them alike):
 * torch's ``DistributedDataParallel`` over gloo (env:// rendezvous on 127.0.0.1);
 * the limit: the plain optimizer in every process at once, with no communication (the
   processes only meet once before timing);
-* the floor of the hierarchical path: the plain optimizer with that path's own data motion
-  written out by hand between backward and the step, with nothing else (no engine, no
-  negotiation, no bucket bookkeeping): every gradient copied into the node's shared window
-  (as ``zero_grad()`` leaves it to the buckets), a barrier, each rank's slice reduced from
-  every rank's copy and written back into all of them with the same native pass, a barrier.
-  The hierarchical path makes these passes and meets its peers at least this often, on the
-  same core as the training here, so it cannot scale better than this configuration: the
-  distance from the limit to the floor is memory traffic and the ranks' skew; from the floor
-  to hpc_horovod, the engine's own cost;
 * ``horovod.torch`` when Horovod is importable (skipped, and said so, when not: ``make bench
   HOROVOD=DIR`` puts a Horovod built in DIR on the path);
 * for the CNN, ``hpc_horovod.tensorflow.DistributedGradientTape`` in a ``tf.function`` step.
+
+Separate jobs differ from one another beyond the configuration: each new set of processes
+lays its memory out anew, and the rates of one configuration's jobs spread widely. So every
+round also runs, for hpc_horovod and for the code of ``--compare-with``, one job whose
+processes train copies of one model, one step of each in turn (the order rotating from step to
+step):
+
+* the plain optimizer, every process at once (the limit, in the same processes);
+* ``DistributedOptimizer``;
+* for hpc_horovod on several processes, the floor of the hierarchical path: the plain optimizer
+  with that path's own data motion written out by hand between backward and the step, with
+  nothing else (no engine, no negotiation, no bucket bookkeeping): every gradient copied into
+  the node's shared window (as ``zero_grad()`` leaves it to the buckets), a barrier, each
+  rank's slice reduced from every rank's copy and written back into all of them with the same
+  native pass, a barrier. The hierarchical path makes these passes and meets its peers at least
+  this often, on the same core as the training, so it cannot scale better than this: the
+  distance from the limit to the floor is memory traffic and the ranks' skew; from the floor to
+  ``DistributedOptimizer``, the engine's own cost.
+
+Its ratios (plain step over ``DistributedOptimizer`` step: the scaling efficiency; ours over the
+reference's: the speed-up) leave the differences between jobs out. The same job on one process
+shows what the wrapper costs when there is nothing to reduce (on the CNN).
 
 Every worker runs with glibc's malloc thresholds fixed (:data:`MALLOC`). Left adaptive, they
 depend on the order of a process's first allocations: in some processes torch's 4 MB gradient
@@ -49,10 +62,6 @@ Scaling efficiency is a configuration's rate over the limit's in the same round;
 taken round by round. hpc_horovod's workers also measure the exposed time of the last bucket:
 from the arrival of the last gradient of backward (the first parameter's) to the end of the
 reductions (``optimizer.synchronize()``), the communication that backward did not hide.
-
-It also times, in one process, the CNN's training step with ``DistributedOptimizer`` against
-the same step with the plain optimizer it wraps (two copies of one model, steps alternated),
-which shows what the wrapper costs when there is nothing to reduce.
 
 Results go to ``benchmarks/results/training.json``; ``benchmarks/report.py`` turns them into
 ``benchmarks/RESULTS.md``.
@@ -83,7 +92,6 @@ OURS = "hpc_horovod.torch (hierarchical)"
 FLAT = "hpc_horovod.torch (flat MPI)"
 DDP = "torch DDP (gloo)"
 LIMIT = "plain optimizer, no communication"
-FLOOR = "plain optimizer + the hierarchical path's passes by hand (no engine)"
 MODELS = {"mlp": "MLP, 1024 inputs, three hidden layers of 1024, 10 outputs (12.6 MB of float32 "
                  "gradients), batch 32 per process",
           "cnn": "small CNN (2 conv, 2 dense) on 32x32x3, batch 32 per process"}
@@ -203,42 +211,14 @@ def torch_worker(args, module: str) -> None:
     hvd.shutdown()
 
 
-def step_worker(args) -> None:
-    """One process: DistributedOptimizer's step against the plain optimizer's, alternated
-    step by step (which one goes first alternates too), on two copies of one model."""
-    import torch
-
-    import hpc_horovod.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
-    torch.manual_seed(0)
-    plain_model = build_model(args.model)
-    wrapped_model = copy.deepcopy(plain_model)
-    plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
-    wrapped = hvd.DistributedOptimizer(
-        torch.optim.SGD(wrapped_model.parameters(), lr=0.01, momentum=0.9),
-        named_parameters=wrapped_model.named_parameters())
-    data, target = _batch(args.model, args.batch_size, 0)
-    times = {"plain": [], "distributed": []}
-    pair = [("plain", plain_model, plain), ("distributed", wrapped_model, wrapped)]
-    for i in range(args.warmup + args.step_pairs):
-        for name, model, optimizer in (pair if i % 2 == 0 else pair[::-1]):
-            start = time.perf_counter()
-            _step(model, optimizer, data, target)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    _report(plain_s=times["plain"], distributed_s=times["distributed"], module=hvd.__file__)
-    hvd.shutdown()
-
-
-def floor_worker(args) -> None:
-    """:data:`FLOOR`: the ranks of one node, launched as hpc_horovod's, share one MPI window
-    (``Win.Allocate_shared``) holding every rank's gradients; between backward and the step,
-    each rank copies its gradients in and makes them views of it, meets its peers, sums its
-    slice (``hierarchical.slice_bounds``) of every rank's copy, averaged, into all of them with
-    ``_native.reduce_slices``, and meets them again. MPI's barriers spin: with one thread per
-    process there is nothing else for the core to run."""
+def _floor_step(params: list, comm):
+    """The floor's training step (see the module's docstring) for the ranks of ``comm``, one
+    node: they share one MPI window (``Win.Allocate_shared``) holding every rank's gradients;
+    between backward and the step, each rank copies its gradients in and makes them views of
+    it, meets its peers, sums its slice (``hierarchical.slice_bounds``) of every rank's copy,
+    averaged, into all of them with ``_native.reduce_slices``, and meets them again. MPI's
+    barriers spin: with one thread per process there is nothing else for the core to run.
+    Returns the step and the window (to free)."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -248,15 +228,7 @@ def floor_worker(args) -> None:
     from hpc_horovod.backends.hierarchical import slice_bounds
     from hpc_horovod.common.types import Sum
 
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    if comm.Get_size() != MPI.COMM_WORLD.Get_size():
-        raise SystemExit("the floor worker runs its ranks on one node")
     rank, k = comm.Get_rank(), comm.Get_size()
-    torch.manual_seed(0)
-    model = build_model(args.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    params = list(model.parameters())
     count = sum(p.numel() for p in params)
     dtype = params[0].detach().numpy().dtype
     window = MPI.Win.Allocate_shared(count * dtype.itemsize, dtype.itemsize, comm=comm)
@@ -278,17 +250,63 @@ def floor_worker(args) -> None:
         comm.Barrier()
         optimizer.step()
 
-    comm.Barrier()
-    measured = measure(model, optimizer, args, rank, step)
-    # the same averaged gradients everywhere keep the replicas equal: the passes did reduce
-    checksum = float(sum(p.detach().double().sum() for p in params))
-    if len(set(comm.allgather(checksum))) != 1:
-        raise SystemExit("the floor's replicas diverged: its reduction is wrong")
-    per_rank = comm.gather(measured)
-    if rank == 0:
-        _report_measured(per_rank, module=_native.__file__)
-    comm.Barrier()
-    window.Free()
+    return step, window
+
+
+def paired_worker(args) -> None:
+    """The processes of one job train copies of one model, one step of each in turn, the order
+    rotating from step to step: the plain optimizer, ``DistributedOptimizer`` and, with
+    ``--floor`` on several ranks of one node, the floor (:func:`_floor_step`). Every copy starts
+    from the same weights; the steps of the distributed and the floor's copies keep their
+    replicas equal, which is checked at the end (the floor did reduce)."""
+    import torch
+    from mpi4py import MPI
+
+    import hpc_horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    plain_model = build_model(args.model)
+    wrapped_model, floor_model = copy.deepcopy(plain_model), copy.deepcopy(plain_model)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+    wrapped = hvd.DistributedOptimizer(
+        torch.optim.SGD(wrapped_model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=wrapped_model.named_parameters())
+    cases = [("plain", plain_model, plain, _step), ("distributed", wrapped_model, wrapped, _step)]
+    window = node = None
+    if args.floor and hvd.size() > 1:
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+        if node.Get_size() != hvd.size():
+            raise SystemExit("the floor runs its ranks on one node")
+        floor = torch.optim.SGD(floor_model.parameters(), lr=0.01, momentum=0.9)
+        floor_step, window = _floor_step(list(floor_model.parameters()), node)
+        cases.append(("floor", floor_model, floor, floor_step))
+        node.Barrier()
+    data, target = _batch(args.model, args.batch_size, hvd.rank())
+    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    for i in range(args.warmup + args.step_pairs):
+        shift = i % len(cases)
+        for name, model, optimizer, step in cases[shift:] + cases[:shift]:
+            start = time.perf_counter()
+            step(model, optimizer, data, target)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    per_rank = hvd.allgather_object(medians)
+    if window is not None:
+        checksum = float(sum(p.detach().double().sum() for p in floor_model.parameters()))
+        if len(set(node.allgather(checksum))) != 1:
+            raise SystemExit("the floor's replicas diverged: its reduction is wrong")
+        node.Barrier()
+        window.Free()
+    if hvd.rank() == 0:
+        from hpc_horovod.common import basics
+
+        _report(**{f"{name}_s": [r[name] for r in per_rank] for name in medians},
+                module=hvd.__file__,
+                backend=getattr(getattr(basics.engine(), "backend", None), "name", None))
+    hvd.shutdown()
 
 
 def build_keras_model():
@@ -370,10 +388,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_args(args, worker: str, model: str) -> list[str]:
+def _worker_args(args, worker: str, model: str, flags: tuple = ()) -> list[str]:
     return [str(Path(__file__).resolve()), "--batch-size", str(args.batch_size),
             "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--step-pairs", str(args.step_pairs), "--model", model, "--worker", worker]
+            "--step-pairs", str(args.step_pairs), "--model", model, "--worker", worker, *flags]
 
 
 def _env(package_dir: Path = ROOT, extra: dict | None = None) -> dict:
@@ -398,13 +416,13 @@ def _result(stdout: str, what: str) -> dict:
 
 
 def _launched(worker: str, package_dir: Path = ROOT, env: dict | None = None,
-              backend: str | None = None):
-    """A runner starting ``--worker worker`` on n ranks with ``hpc-horovod run``, importing
-    ``hpc_horovod`` (launcher included) from ``package_dir``, with ``env`` on top; it checks
-    that the host backend is ``backend`` (when given)."""
+              backend: str | None = None, flags: tuple = ()):
+    """A runner starting ``--worker worker`` (with ``flags``) on n ranks with ``hpc-horovod
+    run``, importing ``hpc_horovod`` (launcher included) from ``package_dir``, with ``env`` on
+    top; on several ranks it checks that the host backend is ``backend`` (when given)."""
     def run(args, n: int, model: str) -> dict:
         cmd = [sys.executable, "-m", "hpc_horovod.cli", "run", "-np", str(n), sys.executable,
-               *_worker_args(args, worker, model)]
+               *_worker_args(args, worker, model, flags)]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=_env(package_dir, env), timeout=900)
         if proc.returncode:
@@ -412,7 +430,7 @@ def _launched(worker: str, package_dir: Path = ROOT, env: dict | None = None,
         result = _result(proc.stdout, worker)
         if worker != "horovod" and not Path(result["module"]).resolve().is_relative_to(package_dir):
             raise RuntimeError(f"{worker} imported {result['module']}, not from {package_dir}")
-        if backend is not None and result.get("backend") != backend:
+        if backend is not None and n > 1 and result.get("backend") != backend:
             raise RuntimeError(f"{worker} ran on the {result.get('backend')} backend, not "
                                f"{backend}")
         return result
@@ -475,7 +493,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--step-pairs", type=int, default=100,
-                        help="alternated plain/DistributedOptimizer steps in one process")
+                        help="timed steps of each copy in the jobs whose processes train "
+                             "copies of one model in turn")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--models", default="mlp,cnn", help="of: " + ", ".join(MODELS))
@@ -485,9 +504,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-tensorflow", action="store_true",
                         help="skip hpc_horovod.tensorflow")
     parser.add_argument("--model", choices=list(MODELS), default="cnn", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=["hvd", "step", "tf", "ddp", "plain", "floor",
-                                             "horovod"],
+    parser.add_argument("--worker", choices=["hvd", "paired", "tf", "ddp", "plain", "horovod"],
                         help=argparse.SUPPRESS)
+    parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     if not models or any(m not in MODELS for m in models):
@@ -496,25 +515,23 @@ def main(argv=None) -> None:
         parser.error("sizes and counts must be positive")
     workers = {"hvd": lambda: torch_worker(args, "hpc_horovod.torch"),
                "horovod": lambda: torch_worker(args, "horovod.torch"),
-               "step": lambda: step_worker(args), "tf": lambda: tf_worker(args),
+               "paired": lambda: paired_worker(args), "tf": lambda: tf_worker(args),
                "ddp": lambda: gloo_worker(args, ddp=True),
-               "plain": lambda: gloo_worker(args, ddp=False),
-               "floor": lambda: floor_worker(args)}
+               "plain": lambda: gloo_worker(args, ddp=False)}
     if args.worker:
         return workers[args.worker]()
 
     runners = {OURS: _launched("hvd", backend="hierarchical"),
                FLAT: _launched("hvd", env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"},
                                backend="mpi")}
-    steppers = {OURS: _launched("step")}
+    pairs = {OURS: _launched("paired", backend="hierarchical", flags=("--floor",))}
     before = None
     if args.compare_with:
         before = _before_label(args.compare_with)
         runners[before] = _launched("hvd", args.compare_with)
-        steppers[before] = _launched("step", args.compare_with)
+        pairs[before] = _launched("paired", args.compare_with)
     runners[DDP] = _gloo("ddp")
     runners[LIMIT] = _gloo("plain")
-    runners[FLOOR] = _launched("floor")
     only_cnn = {}
     if not args.no_tensorflow:
         only_cnn["hpc_horovod.tensorflow"] = _launched("tf")
@@ -532,7 +549,9 @@ def main(argv=None) -> None:
     thread_cpu = {(model, name): [] for model, name, _ in plan}
     other_cpu = {(model, name): [] for model, name, _ in plan}
     modules: dict[str, str] = {}
-    steps: dict[str, list[dict]] = {name: [] for name in steppers}
+    paired: dict[str, dict[str, list[dict]]] = {model: {name: [] for name in pairs}
+                                                for model in models}
+    steps: dict[str, list[dict]] = {name: [] for name in pairs}
     for round_ in range(args.rounds):
         shift = round_ % len(plan)
         for model, name, runner in plan[shift:] + plan[:shift]:
@@ -549,11 +568,25 @@ def main(argv=None) -> None:
                   f"{thread_cpu[model, name][-1]:.2f} + {other_cpu[model, name][-1]:.2f} ms"
                   + (f", last bucket exposed {exposed[model, name][-1]:.2f} ms"
                      if exposed[model, name] else ""), file=sys.stderr, flush=True)
+        for model in models:
+            for name, pair in pairs.items():
+                result = pair(args, args.processes, model)
+                # each case's median step, of the slowest process
+                medians = {key[:-2]: max(result[key]) for key in result if key.endswith("_s")}
+                record = {f"{key}_s": v for key, v in medians.items()}
+                record["efficiency"] = medians["plain"] / medians["distributed"]
+                if "floor" in medians:
+                    record["floor_efficiency"] = medians["plain"] / medians["floor"]
+                paired[model][name].append(record)
+                print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} in the same "
+                      "processes: " + ", ".join(f"{key} {v * 1e3:.2f} ms"
+                                                for key, v in medians.items())
+                      + f", efficiency {paired[model][name][-1]['efficiency']:.3f}",
+                      file=sys.stderr, flush=True)
         if "cnn" in models:
-            for name, stepper in steppers.items():
-                result = stepper(args, 1, "cnn")
-                plain, wrapped = (statistics.median(result[k])
-                                  for k in ("plain_s", "distributed_s"))
+            for name, pair in pairs.items():
+                result = pair(args, 1, "cnn")
+                plain, wrapped = (result[k][0] for k in ("plain_s", "distributed_s"))
                 steps[name].append({"plain_median_s": plain, "distributed_median_s": wrapped,
                                     "ratio": wrapped / plain})
                 print(f"round {round_ + 1}/{args.rounds}: {name:40s} one-process CNN step: "
@@ -583,7 +616,24 @@ def main(argv=None) -> None:
             print(f"  {model} {name:40s} {statistics.median(rates[m, name]):7.2f} steps/s"
                   f"{vs}, efficiency {c['efficiency']['median']:.3f} "
                   f"({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})")
-        results[model] = {"description": MODELS[model], "configurations": configurations}
+        same = {}
+        for name, rounds in paired[model].items():
+            same[name] = {"rounds": rounds,
+                          "efficiency": _ratios([r["plain_s"] for r in rounds],
+                                                [r["distributed_s"] for r in rounds])}
+            if rounds and "floor_s" in rounds[0]:
+                same[name]["floor_efficiency"] = _ratios([r["plain_s"] for r in rounds],
+                                                         [r["floor_s"] for r in rounds])
+            if before is not None:
+                same[name]["vs_reference"] = _ratios(
+                    [r["efficiency"] for r in rounds],
+                    [r["efficiency"] for r in paired[model][before]])
+            print(f"  {model} {name:40s} in the same processes: efficiency "
+                  f"{same[name]['efficiency']['median']:.3f}"
+                  + (f", floor {same[name]['floor_efficiency']['median']:.3f}"
+                     if "floor_efficiency" in same[name] else ""))
+        results[model] = {"description": MODELS[model], "configurations": configurations,
+                          "same_processes": same}
     for name, rounds in steps.items():
         if not rounds:  # the one-process step is measured on the CNN only
             continue
@@ -600,7 +650,6 @@ def main(argv=None) -> None:
     path = RESULTS / "training.json"
     path.write_text(json.dumps({"benchmark": "training", "meta": meta, "ours": OURS,
                                 "flat": FLAT, "reference": before, "ddp": DDP, "limit": LIMIT,
-                                "floor": FLOOR,
                                 "models": results, "one_process_step": steps}, indent=1) + "\n")
     print(f"results: {path}")
 

@@ -65,10 +65,15 @@ def write_results(folder: Path) -> None:
             c["rounds_thread_cpu_ms_per_step"], c["rounds_other_threads_cpu_ms_per_step"] = cpu
         return c
 
+    def paired(plain: float, distributed: float, floor: float | None = None) -> dict:
+        r = {"plain_s": plain, "distributed_s": distributed, "efficiency": plain / distributed}
+        if floor is not None:
+            r.update(floor_s=floor, floor_efficiency=plain / floor)
+        return r
+
     training = {
         "benchmark": "training", "ours": ours, "flat": "hpc_horovod.torch (flat MPI)",
         "reference": before, "ddp": "torch DDP (gloo)", "limit": "plain optimizer",
-        "floor": "plain optimizer + passes by hand",
         "meta": dict(meta("python training.py --rounds 2"), batch_size=32, warmup=1, steps=5,
                      step_pairs=10, rounds=2, processes=2,
                      malloc={"MALLOC_MMAP_THRESHOLD_": "33554432"}),
@@ -77,8 +82,17 @@ def write_results(folder: Path) -> None:
                 config(ours, [12.0, 10.0], 1.2, 0.9, [1.0, 3.0],
                        ([9.0, 10.0, 11.0], [1.0, 1.5, 2.0])),
                 config(before, [10.0, 8.0], 1.0, 0.75, [4.0, 4.0]),
-                config("plain optimizer", [13.0, 11.0], 1.3, 1.0),
-                config("plain optimizer + passes by hand", [12.5, 10.5], 1.25, 0.96)]},
+                config("plain optimizer", [13.0, 11.0], 1.3, 1.0)],
+                "same_processes": {
+                    ours: {"rounds": [paired(0.010, 0.0125, 0.012), paired(0.011, 0.0125, 0.012),
+                                      paired(0.009, 0.0125, 0.012)],
+                           "efficiency": {"median": 0.8, "min": 0.72, "max": 0.88},
+                           "floor_efficiency": {"median": 0.833, "min": 0.75, "max": 0.917},
+                           "vs_reference": {"median": 1.25, "min": 1.2, "max": 1.3}},
+                    before: {"rounds": [paired(0.010, 0.0156), paired(0.011, 0.0172),
+                                        paired(0.009, 0.0141)],
+                             "efficiency": {"median": 0.64, "min": 0.64, "max": 0.64},
+                             "vs_reference": {"median": 1.0, "min": 1.0, "max": 1.0}}}},
             "cnn": {"description": "a CNN", "configurations": [
                 config(ours, [20.0, 18.0], 1.1, 0.8, [1.0, 1.0]),
                 config(before, [18.0, 17.0], 1.0, 0.7, [2.0, 2.0]),
@@ -108,10 +122,18 @@ def test_report_computes_the_targets(tmp_path):
         "| x1.100 | >= 1.15 | **no** |")
     assert target("mlp: hpc_horovod.torch (hierarchical) scaling").endswith(
         "| x0.900 | >= 0.85 | yes |")
-    # the floor has no goal; a model measured without one has no row
-    assert target("mlp: floor of the hierarchical path's scaling efficiency").endswith(
-        "| x0.960 | - | - |")
-    assert not any(line.startswith("| cnn: floor") for line in lines)
+    # in the same processes: the speed-up is the ratio of the efficiencies; the floor has no
+    # goal; a model measured without such a job has no rows
+    assert target("mlp, in the same processes: hpc_horovod.torch (hierarchical) speed-up over "
+                  "hpc_horovod.torch at abc1234").endswith("| x1.250 | >= 1.15 | yes |")
+    assert target("mlp, in the same processes: hpc_horovod.torch (hierarchical) scaling").endswith(
+        "| x0.800 | >= 0.85 | **no** |")
+    assert target("mlp, in the same processes: floor").endswith("| x0.833 | - | - |")
+    assert not any(line.startswith("| cnn, in the same processes") for line in lines)
+    assert ("| hpc_horovod.torch (hierarchical) | 10.00 ms | 12.50 ms | 12.00 ms | 80% (72% - "
+            "88%) | 83% (75% - 92%) | x1.250 (x1.200 - x1.300) |") in text
+    assert "| hpc_horovod.torch at abc1234 | 10.00 ms | 15.60 ms | - | 64% (64% - 64%) | - |" \
+        in text
     assert "| hpc_horovod.torch (hierarchical) | 11.00 | 10.00 - 12.00 | x1.200 (x1.100 - " \
         "x1.300) | 90% (85% - 95%) | 2.00 ms | 1 | 10.00 ms | 1.50 ms |" in text
     assert "malloc thresholds fixed (`MALLOC_MMAP_THRESHOLD_=33554432`)" in text

@@ -573,8 +573,9 @@ class HierarchicalBackend(MpiBackend):
 
         On one node, when the first chunk's arrival shows every rank's data in the window (a
         gradient bucket or a packed group everywhere: no offset 0, the offset of a staged first
-        chunk), nothing is staged and there is nothing to pipeline: the rest goes as one chunk:
-        three arrivals in all, instead of one per chunk. Every rank of
+        chunk), nothing is staged and there is nothing to pipeline: that chunk becomes the
+        whole buffer (its data is all there before the arrival): two arrivals in all, instead
+        of one per chunk. Every rank of
         the node sees the same offsets, so every rank cuts the same chunks (across nodes the
         chunks' slices pair up in MPI calls, and another node cannot see these offsets)."""
         win, dtype = self.window, out.dtype
@@ -596,7 +597,9 @@ class HierarchicalBackend(MpiBackend):
             win.arrive(offset, "allreduce: data ready", slot)
             offsets = win.published(slot)
             if c == 0 and self.cross_size == 1 and min(offsets) > 0:
-                chunk = size  # every rank's data lies in the window
+                # every rank's data lies in the window, all of it ready: one chunk
+                chunk = hi = size
+                part, results = src, out
             if unread is not None:
                 self._stage(unread[0], unread[1], unread[0].size, -1)
             self._reduce_slice(part, results, op, pre, post, offsets)

@@ -226,15 +226,16 @@ def test_chunks_in_and_out_of_the_window_in_turn(flat, small, where):
 
 
 @pytest.mark.parametrize("where", ["bucket", "fusion", "both"])
-def test_data_in_the_window_everywhere_goes_in_three_arrivals(flat, small, where):
+def test_data_in_the_window_everywhere_goes_in_two_arrivals(flat, small, where):
     """Data in the window on every rank (buckets, the fused groups' memory, or some ranks'
-    bucket and the others' fusion memory): after the first chunk the rest goes at once (three
-    arrivals whatever the size); data staged on one rank keeps one arrival per chunk."""
+    bucket and the others' fusion memory): the first arrival shows it, and all of it goes as
+    one chunk (two arrivals whatever the size); data staged on one rank keeps one arrival per
+    chunk."""
     chunk = 4096 // 8
     if where == "both":
         where = "bucket" if RANK % 2 else "fusion"
     memory = _window_memory(small, where, 5 * chunk * 8)
-    for count, in_window, arrivals in ((5 * chunk - 3, True, 3), (chunk, True, 2),
+    for count, in_window, arrivals in ((5 * chunk - 3, True, 2), (chunk, True, 2),
                                        (5 * chunk - 3, RANK != SIZE - 1, 6)):
         x = _values(np.int64, count, count)
         ref = x.copy()

@@ -239,7 +239,10 @@ def training_lines(result: dict) -> list[str]:
                       "model in turn per round: the plain optimizer, DistributedOptimizer and, "
                       "for hpc_horovod, the floor of the hierarchical path (its passes by hand, "
                       "no engine). Steps: each case's median step of the slowest process, median "
-                      "over rounds; ratios round by round, median (range).", ""]
+                      "over rounds; ratios round by round, median (range). The speed-up is the "
+                      "scaling efficiency over the reference's: a code whose threads take CPU "
+                      "between steps slows its own job's plain steps too, which this ratio does "
+                      "not count against it.", ""]
             lines += table(["code", "plain step", "DistributedOptimizer step", "floor step",
                             "scaling efficiency", "floor's scaling efficiency",
                             f"speed-up over {reference}" if reference else "speed-up"], [

@@ -44,8 +44,10 @@ step):
   ``DistributedOptimizer``, the engine's own cost.
 
 Its ratios (plain step over ``DistributedOptimizer`` step: the scaling efficiency; ours over the
-reference's: the speed-up) leave the differences between jobs out. The same job on one process
-shows what the wrapper costs when there is nothing to reduce (on the CNN).
+reference's: the speed-up) leave the differences between jobs out. A code whose threads take
+CPU between steps slows the plain steps of its own job too, so this speed-up understates the
+gain of a quieter engine. The same job on one process shows what the wrapper costs when there
+is nothing to reduce (on the CNN).
 
 Every worker runs with glibc's malloc thresholds fixed (:data:`MALLOC`). Left adaptive, they
 depend on the order of a process's first allocations: in some processes torch's 4 MB gradient

@@ -270,7 +270,7 @@ def paired_worker(args) -> None:
     hvd.init()
     torch.manual_seed(0)
     plain_model = build_model(args.model)
-    wrapped_model, floor_model = copy.deepcopy(plain_model), copy.deepcopy(plain_model)
+    wrapped_model = copy.deepcopy(plain_model)
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
     wrapped = hvd.DistributedOptimizer(
         torch.optim.SGD(wrapped_model.parameters(), lr=0.01, momentum=0.9),
@@ -281,6 +281,7 @@ def paired_worker(args) -> None:
         node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
         if node.Get_size() != hvd.size():
             raise SystemExit("the floor runs its ranks on one node")
+        floor_model = copy.deepcopy(plain_model)
         floor = torch.optim.SGD(floor_model.parameters(), lr=0.01, momentum=0.9)
         floor_step, window = _floor_step(list(floor_model.parameters()), node)
         cases.append(("floor", floor_model, floor, floor_step))
@@ -574,17 +575,15 @@ def main(argv=None) -> None:
             for name, pair in pairs.items():
                 result = pair(args, args.processes, model)
                 # each case's median step, of the slowest process
-                medians = {key[:-2]: max(result[key]) for key in result if key.endswith("_s")}
-                record = {f"{key}_s": v for key, v in medians.items()}
-                record["efficiency"] = medians["plain"] / medians["distributed"]
-                if "floor" in medians:
-                    record["floor_efficiency"] = medians["plain"] / medians["floor"]
+                record = {key: max(v) for key, v in result.items() if key.endswith("_s")}
+                record["efficiency"] = record["plain_s"] / record["distributed_s"]
+                if "floor_s" in record:
+                    record["floor_efficiency"] = record["plain_s"] / record["floor_s"]
                 paired[model][name].append(record)
                 print(f"round {round_ + 1}/{args.rounds}: {model} {name:40s} in the same "
-                      "processes: " + ", ".join(f"{key} {v * 1e3:.2f} ms"
-                                                for key, v in medians.items())
-                      + f", efficiency {paired[model][name][-1]['efficiency']:.3f}",
-                      file=sys.stderr, flush=True)
+                      "processes: " + ", ".join(f"{key[:-2]} {record[key] * 1e3:.2f} ms"
+                                                for key in result if key.endswith("_s"))
+                      + f", efficiency {record['efficiency']:.3f}", file=sys.stderr, flush=True)
         if "cnn" in models:
             for name, pair in pairs.items():
                 result = pair(args, 1, "cnn")

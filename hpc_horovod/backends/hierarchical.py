@@ -194,7 +194,13 @@ def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
     """Collective over ``node``: this rank's wake socket (non-blocking, bound to a name of the
     abstract namespace, which no file backs and the kernel drops with the process) and every
     rank's name. Raises SharedMemoryError when a peer's socket cannot be reached: ranks that
-    share memory but not a network namespace (containers that share only IPC)."""
+    share memory but not a network namespace (containers that share only IPC).
+
+    Names of the abstract namespace belong to a network namespace, so rank 0 reaching every
+    peer's socket proves that all of them share its namespace: one probe per peer, from rank 0
+    alone. A socket queues at most ``net.unix.max_dgram_qlen`` datagrams (10 by default), so
+    probes from every rank to every rank would fill it on a node of more than about ten ranks.
+    """
     token = node.bcast(os.urandom(8).hex() if node.Get_rank() == 0 else None)
     names = [f"\0hpc_horovod-{token}-{q}".encode() for q in range(node.Get_size())]
     me = node.Get_rank()
@@ -204,18 +210,21 @@ def _wake_sockets(node: MPI.Comm) -> tuple[socket.socket, list[bytes]]:
         sock.setblocking(False)
         node.Barrier()
         problem = None
-        for q in range(node.Get_size()):
-            if q != me:
-                try:
-                    sock.sendto(b"", names[q])
-                except OSError as exc:
-                    problem = (f"rank {me} of this node cannot reach the wake socket of its "
-                               f"local rank {q} ({exc}): ranks that share memory must share a "
-                               f"network namespace too; run them in one, or turn the stage "
-                               f"off with {SWITCH_OFF}")
-                    break
+        for q in range(1, node.Get_size()) if me == 0 else ():
+            try:
+                sock.sendto(b"", names[q])
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                problem = (f"rank 0 of this node cannot reach the wake socket of its local rank "
+                           f"{q} ({exc}): ranks that share memory must share a network "
+                           f"namespace too; run them in one, or turn the stage off with "
+                           f"{SWITCH_OFF}")
+                break
+            except OSError as exc:
+                problem = (f"rank 0 of this node cannot send to the wake socket of its local "
+                           f"rank {q} ({exc}); turn the stage off with {SWITCH_OFF}")
+                break
         _refuse_if_any(node, problem)
-        _drain(sock)  # the peers' probes
+        _drain(sock)  # rank 0's probe
     except BaseException:
         sock.close()
         raise
@@ -230,10 +239,12 @@ class NodeWindow:
 
     A wait for peers that does not keep its core (see ``common.patience``) blocks in the kernel
     on this rank's wake socket (a datagram socket of the abstract namespace, named after a
-    token of this window): a rank that arrives sends one byte to every peer whose line says it
-    is asleep. The waiter says so, then looks at the counters once more before it blocks; the
-    arriving rank stores its counter, then reads the flags; a full barrier (``Win_sync``)
-    between the store and the load on both sides means that one of them sees the other's.
+    token of this window): the rank that arrives last (it sees every counter there) sends one
+    byte to every peer whose line says it is asleep, so a node of ``k`` ranks makes at most
+    ``k - 1`` sends per arrival. The waiter says so, then looks at the counters once more
+    before it blocks; the arriving rank stores its counter, then reads the counters and the
+    flags; a full barrier (``Win_sync``) between the store and the loads on both sides means
+    that one of them sees the other's, and that the last store is seen by its own rank.
 
     Creating it is collective over ``node`` (every rank of which shares this node's memory)."""
 
@@ -345,10 +356,13 @@ class NodeWindow:
         sync()
         lines[line] = seq
         sync()  # ... and the counter before the flags of the peers asleep are read
-        if max(self._asleep):
-            self._wake_peers()
         if min(self.counters) < seq:  # a stale read here only means one more look in _wait
             self._wait(seq, what)
+        elif max(self._asleep):
+            # The last to arrive wakes the sleepers: a full barrier between its counter's
+            # store and these loads, as between a sleeper's flag and its last look at the
+            # counters, means that the last store is seen by whoever comes after it
+            self._wake_peers()
         # ... and no load of a peer's data comes before the counters that said it is ready
         # (acquire).
         self.win.Sync()

@@ -180,6 +180,15 @@ class Runtime:
               file=sys.stderr)
         _exit_now(1, end_step=self.topology.launcher == topology_mod.SLURM)
 
+    def ends_step(self) -> bool:
+        """Whether this process, exiting after a fatal error, cancels its srun step (see
+        :func:`_cancel_step`): a census named ranks that did not answer (``PeerWatch.frozen``,
+        a negotiation past the peer timeout), and srun would wait for them until the time
+        limit. A rank lost, or frozen inside a data call, ends the step from the watch's
+        thread instead (:meth:`_exit_after_loss`)."""
+        return (self.watch is not None and bool(self.watch.frozen)
+                and self.topology.launcher == topology_mod.SLURM)
+
     def print_summary(self, culprit: str) -> None:
         """Rank 0's one line for the whole job, once."""
         if not self.summary_printed:
@@ -270,7 +279,8 @@ def _end_job(kind, value) -> None:
     ranks: first the peers learn why (their error names this rank), then rank 0 prints a
     one-line summary of who failed first, then the process exits without ``MPI_Finalize``,
     which would wait for peers that may never come. The launcher (``mpirun``, ``srun
-    --kill-on-bad-exit``) then ends the other ranks."""
+    --kill-on-bad-exit``) then ends the other ranks; when a census found ranks frozen, which
+    plain srun would wait for, the process cancels its step (:meth:`Runtime.ends_step`)."""
     runtime = _runtime
     if runtime is None or runtime.topology.size == 1:
         return
@@ -286,7 +296,7 @@ def _end_job(kind, value) -> None:
                        if isinstance(value, HorovodInternalError)
                        else f"rank 0 failed first: {kind.__name__}: {value}")
         runtime.print_summary(culprit)
-    _exit_now(1)
+    _exit_now(1, end_step=runtime.ends_step())
 
 
 #: how long a failing srun task lingers after its last words: srun ends the step as soon as it
@@ -296,8 +306,7 @@ SRUN_LAST_WORDS_S = 0.5
 
 def _exit_now(status: int, end_step: bool = False) -> None:
     """Exit at once, without MPI_Finalize. ``end_step``: the job is broken for good (a rank
-    lost, or frozen inside a data call); this srun step's task is cancelled too (see
-    :func:`_cancel_step`)."""
+    lost, or frozen); this srun step is cancelled too (see :func:`_cancel_step`)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -332,13 +341,14 @@ def _cancel_step() -> None:
 def _at_exit() -> None:
     """The end of the script: a normal ``shutdown`` while the engine works. After a fatal error
     that the script caught, the peers may be gone or stuck, and MPI_Finalize would wait for
-    them: the process exits now, non-zero."""
+    them: the process exits now, non-zero (cancelling its srun step when a census found ranks
+    frozen, as :func:`_end_job` does)."""
     runtime = _runtime
     if runtime is not None and runtime.engine.stopped and runtime.engine.error is not None \
             and runtime.topology.size > 1:
         print(f"[hpc_horovod] rank {runtime.topology.rank}: exiting after a fatal error: "
               f"{str(runtime.engine.error).splitlines()[0]}", file=sys.stderr)
-        _exit_now(1)
+        _exit_now(1, end_step=runtime.ends_step())
     shutdown()
 
 

@@ -27,8 +27,11 @@ notices while the engine's thread is blocked in MPI. A rank asks rank 0 ``{"cens
 "fatal": bool}``, ``answer`` being where it is (``{"phase", "what", "for_s"}``); rank 0 asks
 every other rank ``{"where": true}``, and each one's watch thread answers ``{"here": answer}``
 from its engine's whereabouts. After ``CENSUS_S``, or once all answered, rank 0 sends the
-census's one line to the ranks that asked, ``{"census_of": text}``: the ranks that did not
-answer are frozen (stopped, or blocked outside Python). A census for a data call is fatal: a
+census's one line to the ranks that asked, ``{"census_of": text, "frozen": ranks}``: the ranks
+that did not answer are frozen (stopped, or blocked outside Python). Rank 0 and the askers
+keep them in ``PeerWatch.frozen`` (rank 0 itself, for an asker it does not answer): a process
+that exits on the error cancels its srun step (``basics.Runtime.ends_step``), which srun would
+otherwise hold for the frozen ones until the time limit. A census for a data call is fatal: a
 blocked MPI call never comes back, so rank 0 sends ``{"stuck": text}`` to every rank, and each
 one stops as for a lost rank (rank 0 prints the job's one-line summary, every process exits
 non-zero). A rank that hears nothing from rank 0 within ``CENSUS_S + HUB_S`` says so, rank 0
@@ -147,6 +150,9 @@ class PeerWatch:
         self._wake = socket.socketpair()  # other threads wake the watch thread with a byte
         self._closing = False
         self._reported = False
+        #: the ranks a census this rank took part in found frozen: they hold a job whose
+        #: launcher waits for every process (``basics``: the srun step is then cancelled)
+        self.frozen: set[int] = set()
         self._lock = threading.Lock()  # one writer at a time on each connection
         self._peers: dict[socket.socket, int] = {}  # rank 0: connection -> rank
         self._acks: dict[int, set[int]] = {}  # rank 0: failed rank -> ranks yet to ack
@@ -386,6 +392,7 @@ class PeerWatch:
             self._census["answers"][sender] = message["census"]
             self._census["askers"].add(sender)
         elif "census_of" in message:
+            self.frozen.update(message["frozen"])
             self._answered(message["census_of"])
         elif "stuck" in message:
             self._answered(message["stuck"])
@@ -411,8 +418,10 @@ class PeerWatch:
                                    or now >= census["until"]):
             self._census = None
             text = census_text(self.size, census["answers"], CENSUS_S)
+            silent = [r for r in range(self.size) if r not in census["answers"]]
+            self.frozen.update(silent)
             for rank in census["askers"]:
-                self._broadcast({"census_of": text}, only=rank)
+                self._broadcast({"census_of": text, "frozen": silent}, only=rank)
             for callback in census["callbacks"]:
                 callback(text)
             if census["fatal"]:
@@ -425,6 +434,7 @@ class PeerWatch:
                     "the census: stopped, or blocked outside Python); this rank "
                     f"({self.rank}) {answer['what']}"
                     + ("" if answer["phase"] == "idle" else f" for {answer['for_s']:.0f} s"))
+            self.frozen.add(0)
             self._answered(text)
             if asking["fatal"]:
                 self._stuck(text)

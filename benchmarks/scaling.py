@@ -27,7 +27,8 @@ Then, in this process, the protocol's Python work at sizes one host cannot run: 
 ``size`` lists of 20 and 200 names (its time, and the memory the lists hold, traced) and
 ``negotiation.match`` over them, at 2 .. 4,096 ranks, and the pickled bytes per name.
 ``benchmarks/report.py`` projects the costs at 1,024 and 4,096 ranks from these constants
-(``docs/architecture.md``, "Costs at scale", gives the formulas). Results go to ``benchmarks/results/scaling.json``, every job's own record to
+(``docs/architecture.md``, "Costs at scale", gives the formulas). Results go to
+``benchmarks/results/scaling.json``, every job's own record to
 ``benchmarks/out/scaling_jobs.json``.
 """
 

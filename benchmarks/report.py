@@ -286,6 +286,140 @@ def elastic_commit_lines(result: dict) -> list[str]:
                           "durable commit"], rows)
 
 
+# -- scaling ---------------------------------------------------------------------------------
+
+#: where the projections are made (docs/architecture.md, "Costs at scale")
+PROJECTED_RANKS = (1024, 4096)
+
+
+def _bytes(nbytes: float) -> str:
+    """Three significant digits, in the largest unit under the value."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _growth(value: float, first: float, fmt=None) -> str:
+    shown = fmt(value) if fmt else f"{value:g}"
+    return f"{shown} (x{value / first:.1f})" if first else shown
+
+
+def scaling_constants(result: dict) -> dict:
+    """The per-item constants of "Costs at scale", from the measurements: pickled bytes per
+    name (the marginal bytes between the two list lengths measured) and per list, memory held
+    per unpickled entry and Python seconds per entry (unpickling and ``match``) at the largest
+    size measured, rank 0's extra open files and resident bytes per rank (the slope from the
+    fewest to the most ranks)."""
+    py = result["python"]
+    counts = sorted({r["names"] for r in py})
+    top = max(r["ranks"] for r in py)
+    at = {(r["ranks"], r["names"]): r for r in py}
+    lo, hi = at[top, counts[0]], at[top, counts[-1]]
+    per_name = (hi["bytes_per_rank"] - lo["bytes_per_rank"]) / (counts[-1] - counts[0])
+    entries = top * counts[-1]
+    rows = sorted(result["rows"], key=lambda r: r["ranks"])
+    first, last = rows[0], rows[-1]
+    span = last["ranks"] - first["ranks"] or 1
+    return {"bytes_per_name": per_name,
+            "bytes_per_list": lo["bytes_per_rank"] - per_name * counts[0],
+            "held_bytes_per_entry": hi["unpickled_bytes"] / entries,
+            "unpickle_s_per_entry": hi["unpickle_s"] / entries,
+            "match_s_per_entry": hi["match_s"] / entries,
+            "rank0_files_per_rank": (last["rank0_open_files"] - first["rank0_open_files"]) / span,
+            "rank0_rss_bytes_per_rank": (last["rank0_rss_bytes"] - first["rank0_rss_bytes"])
+            / span, "top": top, "first": first, "last": last}
+
+
+def projection_rows(result: dict, cache_capacity: int = 1024) -> list[list]:
+    """What one full negotiation, the cheap phase and rank 0's side channel cost at
+    ``PROJECTED_RANKS`` by the formulas of "Costs at scale", with the measured constants."""
+    c = scaling_constants(result)
+    last = c["last"]
+    rows = []
+    for size in PROJECTED_RANKS:
+        for names in sorted({r["names"] for r in result["python"]}):
+            payload = c["bytes_per_list"] + c["bytes_per_name"] * names
+            entries = size * names
+            words = 2 + -(-min(names, cache_capacity) // 64)
+            files = last["rank0_open_files"] + c["rank0_files_per_rank"] * (size - last["ranks"])
+            rows.append([f"{size:,}", names, _bytes(int(size * payload)),
+                         _bytes(int(size * size * payload)),
+                         _bytes(int(entries * c["held_bytes_per_entry"])),
+                         fmt_time(entries * (c["unpickle_s_per_entry"] + c["match_s_per_entry"])),
+                         f"{words} ({8 * words} B)", f"{files:,.0f}"])
+    return rows
+
+
+def scaling_lines(result: dict) -> list[str]:
+    meta, rows = result["meta"], sorted(result["rows"], key=lambda r: r["ranks"])
+    c = scaling_constants(result)
+    base = rows[0]
+    lines = ["## Costs as the ranks grow", "", *run_lines(meta),
+             f"All ranks on one host of {meta['cores']} cores (oversubscribed from "
+             f"{meta['cores'] * 2} ranks: every time below also measures how {meta['cores']} "
+             "cores share out among the ranks), a machine shared with other people's jobs "
+             f"(load average {meta['loadavg'][0]} at the start, {meta['loadavg_end'][0]} at the "
+             f"end). {meta['jobs_per_point']} jobs per number of ranks; each time is that of "
+             "the slowest rank. `init`, memory and open files: the median over jobs; steps "
+             f"and exchanges: the median over every repetition of every job ({meta['rounds']} "
+             f"first steps and {meta['rounds'] * meta['steps']} steady steps per job). After "
+             "each value, in brackets, its growth from the fewest ranks. A first step submits "
+             f"{meta['names']} allreduces (one float32 each) under names never seen: the full "
+             "negotiation (every rank's pending names and signatures gathered on every rank, "
+             "then `negotiation.match`) and one fused allreduce; a steady step submits the same "
+             "names again: the cheap phase (a bitwise AND of the cache bits) and the same "
+             "allreduce. Measured alone, with mpi4py before `init`: the full negotiation's "
+             "exchange (sizes, the pickled lists, every list unpickled) and the cheap phase's "
+             "MPI form, one bitwise-AND `Allreduce` of 3 words (on one host the engine ANDs "
+             "through the node's shared window instead); `match` over the gathered lists on "
+             "rank 0.", ""]
+    ms = fmt_time
+    lines += table(
+        ["ranks", "backend", "`init`", "rank 0 RSS", "rank 0 open files",
+         "other ranks' open files (most)", "first step", "steady step", "first / steady",
+         "exchange of the names alone", "3-word AND allreduce alone", "`match` (rank 0)"],
+        [[r["ranks"], r["backend"], _growth(r["init_s"], base["init_s"], ms),
+          _growth(r["rank0_rss_bytes"], base["rank0_rss_bytes"],
+                  lambda v: f"{v / MIB:.0f} MiB"),
+          _growth(r["rank0_open_files"], base["rank0_open_files"], lambda v: f"{v:.0f}"),
+          f"{r['others_max_open_files']:.0f}" if r["others_max_open_files"] else "-",
+          _growth(r["first_step_s"], base["first_step_s"], ms),
+          _growth(r["steady_step_s"], base["steady_step_s"], ms),
+          f"x{r['first_step_s'] / r['steady_step_s']:.1f}",
+          _growth(r["exchange_s"], base["exchange_s"], ms),
+          _growth(r["band_allreduce_s"], base["band_allreduce_s"], ms),
+          _growth(r["match_s"], base["match_s"], ms)] for r in rows])
+    py = sorted(result["python"], key=lambda r: (r["names"], r["ranks"]))
+    lines += ["What one rank does with the gathered lists in a full negotiation, measured in one "
+              "process at sizes one host cannot run: the bytes it receives (every rank's "
+              "pickled list), the bytes the whole job moves (every rank receives them), the "
+              "memory the unpickled lists hold (traced), the time to unpickle them and "
+              "`negotiation.match`'s (median of repetitions), and both per (rank, name) entry.",
+              ""]
+    lines += table(["ranks", "names", "received per rank", "moved by the job",
+                    "held unpickled", "unpickle", "`match`", "per entry"], [
+        [f"{r['ranks']:,}", r["names"], _bytes(r["ranks"] * r["bytes_per_rank"]),
+         _bytes(r["ranks"] ** 2 * r["bytes_per_rank"]), _bytes(r["unpickled_bytes"]),
+         fmt_time(r["unpickle_s"]), fmt_time(r["match_s"]),
+         f"{(r['unpickle_s'] + r['match_s']) / (r['ranks'] * r['names']) * 1e9:.0f} ns"]
+        for r in py])
+    lines += [f"Constants (`docs/architecture.md`, \"Costs at scale\", gives the formulas): "
+              f"{c['bytes_per_name']:.1f} pickled bytes per name and {c['bytes_per_list']:.0f} "
+              f"per list; {c['held_bytes_per_entry']:.0f} bytes held per unpickled entry; "
+              f"{c['unpickle_s_per_entry'] * 1e9:.0f} ns to unpickle and "
+              f"{c['match_s_per_entry'] * 1e9:.0f} ns of `match` per entry (at "
+              f"{c['top']:,} ranks); rank 0: {c['rank0_files_per_rank']:.2f} open files and "
+              f"{c['rank0_rss_bytes_per_rank'] / 1024:.0f} KiB resident per rank (slope from "
+              f"{c['first']['ranks']} to {c['last']['ranks']} ranks, on one host).", "",
+              "Projected by those formulas (one full negotiation; the cheap phase with the "
+              "names cached; rank 0's open files after `init`):", ""]
+    lines += table(["ranks", "names", "received per rank", "moved by the job",
+                    "held unpickled, per rank", "Python work, per rank", "cheap phase words",
+                    "rank 0 open files"], projection_rows(result))
+    return lines
+
+
 # -- the page ----------------------------------------------------------------------------------
 
 def render(results: dict[str, dict], plot: str | None) -> str:
@@ -307,6 +441,8 @@ def render(results: dict[str, dict], plot: str | None) -> str:
         lines += training_lines(training)
     if "elastic_commit" in results:
         lines += elastic_commit_lines(results["elastic_commit"])
+    if "scaling" in results:
+        lines += scaling_lines(results["scaling"])
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -3,7 +3,8 @@
     python benchmarks/scaling.py [--ranks 2,4,8,16,32,64] [--jobs 3]
 
 For each number of ranks, ``--jobs`` separate jobs (``mpirun -np N --bind-to none``, the host
-oversubscribed when N exceeds its cores) each measure, every time on the slowest rank:
+oversubscribed when N exceeds its cores; every number of ranks once per pass, so that load
+from elsewhere hits them alike) each measure, every time on the slowest rank:
 
 * ``init``: the wall time of ``hvd.init()`` (MPI is already initialized: the rank's imports
   and ``MPI_Init`` are not in it), after a barrier;
@@ -242,12 +243,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated numbers of ranks (default 2,4,8,16,32,64)")
     p.add_argument("--jobs", type=int, default=3, help="jobs per number of ranks (default 3)")
     p.add_argument("--names", type=int, default=20, help="allreduces per step (default 20)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="first steps per job, each with new names (default 5)")
-    p.add_argument("--steps", type=int, default=20,
-                   help="steady steps after each first step (default 20)")
-    p.add_argument("--reps", type=int, default=20,
-                   help="repetitions of each exchange alone, and of match (default 20)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="first steps per job, each with new names (default 3)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="steady steps after each first step (default 10)")
+    p.add_argument("--reps", type=int, default=10,
+                   help="repetitions of each exchange alone, and of match (default 10)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -257,24 +258,25 @@ def main(argv: list[str] | None = None) -> None:
     meta = describe(command_line())
     meta.update(names=args.names, rounds=args.rounds, steps=args.steps, reps=args.reps,
                 jobs_per_point=args.jobs, shared_machine=True)
-    jobs, rows = {}, []
-    for n in ranks:
-        jobs[n] = []
-        for j in range(args.jobs):
-            start = time.perf_counter()
-            jobs[n].append(run_job(args, n))
-            print(f"{n} ranks, job {j + 1}/{args.jobs}: {time.perf_counter() - start:.0f} s",
-                  flush=True)
-        rows.append(summarize(jobs[n]))
-    meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     python = python_costs(args.reps)
     RESULTS.mkdir(parents=True, exist_ok=True)
     RAW.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "scaling.json"
-    path.write_text(json.dumps({"benchmark": "scaling", "meta": meta, "rows": rows,
-                                "python": python}, indent=1) + "\n")
-    (RAW / "scaling_jobs.json").write_text(json.dumps(jobs) + "\n")
-    print(f"wrote {path}")
+    jobs: dict[int, list] = {n: [] for n in ranks}
+    # Every number of ranks once per pass, so that load from elsewhere, which changes over the
+    # run, hits them alike; the results are written after every pass.
+    for j in range(args.jobs):
+        for n in ranks:
+            start = time.perf_counter()
+            jobs[n].append(run_job(args, n))
+            print(f"pass {j + 1}/{args.jobs}, {n} ranks: {time.perf_counter() - start:.0f} s",
+                  flush=True)
+        meta.update(jobs_per_point=j + 1, loadavg_end=[round(x, 2) for x in os.getloadavg()])
+        path.write_text(json.dumps({"benchmark": "scaling", "meta": meta,
+                                    "rows": [summarize(jobs[n]) for n in ranks],
+                                    "python": python}, indent=1) + "\n")
+        (RAW / "scaling_jobs.json").write_text(json.dumps(jobs) + "\n")
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -169,3 +169,47 @@ def test_no_results_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(["--results", str(tmp_path), "--output", str(tmp_path / "R.md")])
     assert "run the benchmarks first" in capsys.readouterr().err
+
+
+def test_scaling_constants_and_projections(tmp_path):
+    """The scaling section: growth from the fewest ranks, the per-item constants taken from the
+    measurements, and the projections at 1,024 and 4,096 ranks by the formulas."""
+    def row(ranks: int, files: int, rss: int, first: float, steady: float) -> dict:
+        return {"ranks": ranks, "backend": "hierarchical", "jobs": 3, "init_s": 0.1 * ranks,
+                "init_s_jobs": [0.1 * ranks] * 3, "rank0_rss_bytes": rss,
+                "rank0_open_files": files, "others_max_rss_bytes": rss,
+                "others_max_open_files": 20, "first_step_s": first, "steady_step_s": steady,
+                "exchange_s": first / 2, "band_allreduce_s": 1e-5, "match_s": 1e-4,
+                "payload_bytes": 1000}
+
+    def py(ranks: int, names: int) -> dict:
+        entries = ranks * names
+        return {"ranks": ranks, "names": names, "bytes_per_rank": 100 + 50 * names,
+                "unpickled_bytes": 150 * entries, "unpickle_s": 100e-9 * entries,
+                "match_s": 400e-9 * entries, "reps": 3}
+
+    result = {"benchmark": "scaling",
+              "meta": dict(meta("python benchmarks/scaling.py"), names=20, rounds=5, steps=20,
+                           reps=20, jobs_per_point=3, shared_machine=True,
+                           loadavg_end=[2.0, 2.0, 2.0]),
+              "rows": [row(2, 22, 64 * MIB, 1e-3, 2.5e-4), row(64, 84, 64 * MIB + 62 * 1024,
+                                                               8e-3, 1e-3)],
+              "python": [py(r, n) for n in (20, 200) for r in (2, 4096)]}
+    results, output = tmp_path / "results", tmp_path / "RESULTS.md"
+    results.mkdir()
+    (results / "scaling.json").write_text(json.dumps(result))
+    report.main(["--results", str(results), "--output", str(output)])
+    text = output.read_text()
+    assert "## Costs as the ranks grow" in text
+    # growth from 2 ranks: 8 ms / 1 ms; first / steady: 8 ms / 1 ms
+    assert "| 64 | hierarchical | 6.40 s (x32.0) | 64 MiB (x1.0) | 84 (x3.8) | 20 | 8.00 ms " \
+        "(x8.0) | 1.00 ms (x4.0) | x8.0 |" in text
+    assert ("50.0 pickled bytes per name and 100 per list; 150 bytes held per unpickled entry; "
+            "100 ns to unpickle and 400 ns of `match` per entry (at 4,096 ranks); rank 0: 1.00 "
+            "open files and 1 KiB resident per rank") in text
+    # 4,096 ranks x 200 names: 10,100 B per list, 4,096 lists received per rank (41.4 MB),
+    # 4,096 times that moved by the job (169 GB); 819,200 entries x 150 B held (123 MB), x 500 ns
+    # of Python; 2 + 200/64 rounded up = 6 words; rank 0's files: 84 + (4,096 - 64)
+    assert "| 4,096 | 200 | 41.4 MB | 169 GB | 123 MB | 409.60 ms | 6 (48 B) | 4,116 |" in text
+    # 1,024 ranks x 20 names: 1,100 B per list
+    assert "| 1,024 | 20 | 1.13 MB | 1.15 GB | 3.07 MB | 10.24 ms | 3 (24 B) | 1,044 |" in text

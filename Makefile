@@ -36,12 +36,13 @@ lint: venv
 # Results in benchmarks/results/ (committed), the report in benchmarks/RESULTS.md. BEFORE=DIR:
 # the training benchmark also runs the checkout in DIR (its extension built in place), the
 # reference of its speed-ups. HOROVOD=DIR: horovod.torch imported from DIR (Horovod 0.28.1 built
-# there) runs beside it.
+# there) runs beside it. scaling.py starts its own jobs of 2 .. 64 ranks on this host (mpirun).
 bench: venv
 	$(VENV)/bin/hpc-horovod run -np 2 $(PY) benchmarks/allreduce.py
 	$(if $(HOROVOD),PYTHONPATH=$(HOROVOD)) $(PY) benchmarks/training.py --processes 2 \
 		$(if $(BEFORE),--compare-with $(BEFORE))
 	$(PY) benchmarks/elastic_commit.py
+	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/report.py
 
 clean:

@@ -188,8 +188,9 @@ def _alive(pid: int) -> bool:
 
 
 def _write_config(root: Path, host: str, network: Network) -> Path:
-    for sub in ("state", "log", "run", "dev", *(f"spool/{n}" for n in NODES),
-                *(f"tmp/{n}" for n in NODES)):
+    nodes = list(network.hosts)
+    for sub in ("state", "log", "run", "dev", *(f"spool/{n}" for n in nodes),
+                *(f"tmp/{n}" for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for i in range(GPUS_PER_NODE):
         # SLURM only accepts device nodes: give each fake GPU /dev/null's numbers.
@@ -243,12 +244,13 @@ def _start(cmd: list[str], env: dict, what: str, root: Path) -> None:
                            + _logs(root))
 
 
-def start_cluster() -> SlurmCluster:
-    """Start the hosts, munged, slurmctld and one slurmd per host; return once every node is
-    idle. Raises NamespaceError when the hosts cannot be created."""
+def start_cluster(nodes: tuple[str, ...] = NODES) -> SlurmCluster:
+    """Start the hosts (``nodes``, also their names), munged, slurmctld and one slurmd per
+    host; return once every node is idle. Raises NamespaceError when the hosts cannot be
+    created."""
     root = Path(tempfile.mkdtemp(prefix="hvd-slurm-"))
     root.chmod(0o755)
-    network = Network(NODES, root)
+    network = Network(nodes, root)
     try:
         network.start(socket.gethostname())
     except BaseException:
@@ -279,7 +281,7 @@ def start_cluster() -> SlurmCluster:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
                                  text=True, env=env, timeout=30).stdout.split()
             states = dict(zip(out[::2], out[1::2], strict=False))
-            if all(states.get(n) == "idle" for n in NODES):
+            if all(states.get(n) == "idle" for n in nodes):
                 return cluster
             if time.monotonic() > deadline:
                 raise RuntimeError(f"SLURM nodes not idle after 30 s: {states}\n{cluster.logs()}")

@@ -14,6 +14,8 @@ from support import mpi_checks
 HERE = Path(__file__).parent
 
 test_ops = mpi_checks(HERE / "mpi_ops.py", ranks=(2, 3, 4))
+#: the sizes of a CPU node run one rank per core (one node's window shared by all of them)
+test_ops_at_size = mpi_checks(HERE / "mpi_ops.py", ranks=(16, 32))
 test_errors = mpi_checks(HERE / "mpi_errors.py", ranks=(2, 3, 4))
 test_join = mpi_checks(HERE / "mpi_join.py", ranks=(2, 3, 4, 5),
                       env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})

@@ -22,11 +22,12 @@ from elsewhere hits them alike) each measure, every time on the slowest rank:
   MPI backend does it: the sizes, then the pickled lists, then every list unpickled) of one
   first step's list, and one bitwise-AND ``Allreduce`` of three 64-bit words (the cheap phase
   across nodes; on one node the engine ANDs through the node's shared window instead). And
-  ``negotiation.match`` over the gathered lists, timed on rank 0.
+  ``negotiation.match`` over the gathered lists on rank 0 (CPU time, as below).
 
 Then, in this process, the protocol's Python work at sizes one host cannot run: unpickling
-``size`` lists of 20 and 200 names (its time, and the memory the lists hold, traced) and
-``negotiation.match`` over them, at 2 .. 4,096 ranks, and the pickled bytes per name.
+``size`` lists of 20 and 200 names (its CPU time, and the memory the lists hold, traced) and
+``negotiation.match`` over them (CPU time), at 2 .. 4,096 ranks, and the pickled bytes per
+name.
 ``benchmarks/report.py`` projects the costs at 1,024 and 4,096 ranks from these constants
 (``docs/architecture.md``, "Costs at scale", gives the formulas). Results go to
 ``benchmarks/results/scaling.json``, every job's own record to
@@ -71,12 +72,14 @@ def pending_list(names: list[str]) -> list:
     return [(n, allreduce_request(one, name=n, op=Sum).signature) for n in names]
 
 
-def _median_time(fn, reps: int) -> float:
+def _median_cpu(fn, reps: int) -> float:
+    """The median CPU time of ``fn`` on this thread: Python work alone, which load from other
+    processes on a shared machine stretches in wall time, not in CPU time."""
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return statistics.median(times)
 
 
@@ -130,7 +133,7 @@ def worker(args) -> None:
     exchange_s = [timed(exchange) for _ in range(args.reps)]
     band_s = [timed(lambda: comm.Allreduce(MPI.IN_PLACE, words, op=MPI.BAND))
               for _ in range(args.reps)]
-    match_s = _median_time(lambda: match([g[0] for g in gathered], set(), list(range(size))),
+    match_s = _median_cpu(lambda: match([g[0] for g in gathered], set(), list(range(size))),
                            args.reps) if rank == 0 else 0.0
 
     comm.Barrier()
@@ -188,9 +191,9 @@ def python_costs(reps: int) -> list[dict]:
             del kept
             rows.append({"ranks": size, "names": count, "bytes_per_rank": len(blob),
                          "unpickled_bytes": held,
-                         "unpickle_s": _median_time(
+                         "unpickle_s": _median_cpu(
                              lambda blobs=blobs: [pickle.loads(b) for b in blobs], n),
-                         "match_s": _median_time(lambda lists=lists: match(lists, set(), None),
+                         "match_s": _median_cpu(lambda lists=lists: match(lists, set(), None),
                                                  n),
                          "reps": n})
     return rows

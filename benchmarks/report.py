@@ -360,7 +360,8 @@ def scaling_lines(result: dict) -> list[str]:
              f"{meta['cores'] * 2} ranks: every time below also measures how {meta['cores']} "
              "cores share out among the ranks), a machine shared with other people's jobs "
              f"(load average {meta['loadavg'][0]} at the start, {meta['loadavg_end'][0]} at the "
-             f"end). {meta['jobs_per_point']} jobs per number of ranks; each time is that of "
+             "end). Separate jobs per number of ranks (the `jobs` column), every number of "
+             "ranks once per pass; each time is that of "
              "the slowest rank. `init`, memory and open files: the median over jobs; steps "
              f"and exchanges: the median over every repetition of every job ({meta['rounds']} "
              f"first steps and {meta['rounds'] * meta['steps']} steady steps per job). After "
@@ -376,10 +377,10 @@ def scaling_lines(result: dict) -> list[str]:
              "rank 0.", ""]
     ms = fmt_time
     lines += table(
-        ["ranks", "backend", "`init`", "rank 0 RSS", "rank 0 open files",
+        ["ranks", "jobs", "backend", "`init`", "rank 0 RSS", "rank 0 open files",
          "other ranks' open files (most)", "first step", "steady step", "first / steady",
          "exchange of the names alone", "3-word AND allreduce alone", "`match` (rank 0)"],
-        [[r["ranks"], r["backend"], _growth(r["init_s"], base["init_s"], ms),
+        [[r["ranks"], r["jobs"], r["backend"], _growth(r["init_s"], base["init_s"], ms),
           _growth(r["rank0_rss_bytes"], base["rank0_rss_bytes"],
                   lambda v: f"{v / MIB:.0f} MiB"),
           _growth(r["rank0_open_files"], base["rank0_open_files"], lambda v: f"{v:.0f}"),

@@ -267,19 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     path = RESULTS / "scaling.json"
     jobs: dict[int, list] = {n: [] for n in ranks}
     # Every number of ranks once per pass, so that load from elsewhere, which changes over the
-    # run, hits them alike; the results are written after every pass.
+    # run, hits them alike; the results are written after every job (``jobs`` says how many
+    # each point has).
     for j in range(args.jobs):
         for n in ranks:
             start = time.perf_counter()
             jobs[n].append(run_job(args, n))
             print(f"pass {j + 1}/{args.jobs}, {n} ranks: {time.perf_counter() - start:.0f} s",
                   flush=True)
-        meta.update(jobs_per_point=j + 1, loadavg_end=[round(x, 2) for x in os.getloadavg()])
-        path.write_text(json.dumps({"benchmark": "scaling", "meta": meta,
-                                    "rows": [summarize(jobs[n]) for n in ranks],
-                                    "python": python}, indent=1) + "\n")
-        (RAW / "scaling_jobs.json").write_text(json.dumps(jobs) + "\n")
-        print(f"wrote {path}", flush=True)
+            meta.update(jobs_per_point=j + 1,
+                        loadavg_end=[round(x, 2) for x in os.getloadavg()])
+            path.write_text(json.dumps({"benchmark": "scaling", "meta": meta,
+                                        "rows": [summarize(jobs[m]) for m in ranks if jobs[m]],
+                                        "python": python}, indent=1) + "\n")
+            (RAW / "scaling_jobs.json").write_text(json.dumps(jobs) + "\n")
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

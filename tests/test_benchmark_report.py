@@ -202,7 +202,7 @@ def test_scaling_constants_and_projections(tmp_path):
     text = output.read_text()
     assert "## Costs as the ranks grow" in text
     # growth from 2 ranks: 8 ms / 1 ms; first / steady: 8 ms / 1 ms
-    assert "| 64 | hierarchical | 6.40 s (x32.0) | 64 MiB (x1.0) | 84 (x3.8) | 20 | 8.00 ms " \
+    assert "| 64 | 3 | hierarchical | 6.40 s (x32.0) | 64 MiB (x1.0) | 84 (x3.8) | 20 | 8.00 ms " \
         "(x8.0) | 1.00 ms (x4.0) | x8.0 |" in text
     assert ("50.0 pickled bytes per name and 100 per list; 150 bytes held per unpickled entry; "
             "100 ns to unpickle and 400 ns of `match` per entry (at 4,096 ranks); rank 0: 1.00 "

@@ -48,10 +48,12 @@ import collections
 import fcntl
 import json
 import os
+import resource
 import secrets
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -61,6 +63,9 @@ from .whereabouts import Whereabouts, census_text, rank_list
 
 #: how long ``init`` waits for every rank to connect to rank 0
 CONNECT_S = 60.0
+#: how long a rank tries each of rank 0's addresses (TCP resends a connect's first packet
+#: after 1 s and 3 s, should a full backlog drop it)
+DIAL_S = 5.0
 #: how long a failing rank waits for the others to acknowledge its last words
 TELL_S = 5.0
 #: after the first lost connection, how long rank 0 gathers others before announcing them
@@ -76,6 +81,8 @@ TICK_S = 0.5
 #: TCP keep-alive for a host that vanishes without closing its connections: idle seconds
 #: before probing, seconds between probes, unanswered probes before the connection is dead
 KEEPALIVE = (4, 2, 3)
+#: files rank 0 keeps free beside its connections: what Open MPI and the script open later
+SPARE_FDS = 64
 _SIOCGIFADDR = 0x8915
 
 
@@ -126,6 +133,76 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
+def make_room(connections: int) -> None:
+    """Rank 0: make sure its ``connections`` to the other ranks, its listener and its
+    selector fit under this process's limit of open files (``RLIMIT_NOFILE``, ``ulimit -n``)
+    with ``SPARE_FDS`` left over, counting the files open now (Open MPI's among them). When
+    they do not fit, the soft limit is raised (said in one line on stderr: the change is the
+    whole process's) to leave the process the room it had before on top of them, as far as
+    the hard limit allows; when even the hard limit is too low, OSError gives the numbers."""
+    need = connections + 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    required = open_now + need + SPARE_FDS
+    if soft == infinite or required <= soft:
+        return
+    if hard != infinite and required > hard:
+        raise OSError(
+            f"rank 0 needs {required} open files ({connections} connections to the other "
+            f"ranks and 2 more, {open_now} open already, {SPARE_FDS} to spare) but its hard "
+            f"limit is {hard}: raise `ulimit -n` (soft {soft}, hard {hard}) where the job "
+            "starts, or ask the cluster's administrators for a higher hard limit")
+    raised = max(required, soft + need)
+    raised = raised if hard == infinite else min(hard, raised)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    print(f"[hpc_horovod] rank 0: raised its soft limit of open files (ulimit -n) from {soft} "
+          f"to {raised} (hard limit {'unlimited' if hard == infinite else hard}) for its "
+          f"{connections} connections to the other ranks", file=sys.stderr, flush=True)
+
+
+def listen(size: int) -> tuple[socket.socket, str, list[str]]:
+    """Rank 0's listener for the ``size - 1`` other ranks, its token and its addresses."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE") or None
+    addresses = host_addresses(iface)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("0.0.0.0" if not iface else addresses[0], 0))
+    listener.listen(min(size, 4096))
+    return listener, secrets.token_hex(16), addresses
+
+
+def accept_ranks(listener: socket.socket, token: str, size: int) -> dict[socket.socket, int]:
+    """Rank 0: the connection of each of the other ``size - 1`` ranks (connection -> rank),
+    within ``CONNECT_S``; a connection without ``token`` is not one of ours and is closed."""
+    peers: dict[socket.socket, int] = {}
+    deadline = time.monotonic() + CONNECT_S
+    while len(peers) < size - 1:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for conn in peers:
+                conn.close()
+            missing = sorted(set(range(1, size)) - set(peers.values()))
+            raise TimeoutError(f"rank(s) {rank_list(missing)} did not connect within "
+                               f"{CONNECT_S:g} s")
+        listener.settimeout(left)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue  # the deadline: the loop says who is missing
+        conn.settimeout(left)
+        try:
+            message = json.loads(_hello(conn))
+        except (OSError, ValueError):
+            message = {}
+        if message.get("token") != token:  # not one of ours
+            conn.close()
+            continue
+        conn.settimeout(None)
+        _keepalive(conn)
+        peers[conn] = int(message["rank"])
+    return peers
+
+
 class PeerWatch:
     """This rank's end of the side channel (see the module's docstring).
 
@@ -160,18 +237,26 @@ class PeerWatch:
         self._hub: socket.socket | None = None  # the others: the connection to rank 0
         error = None
         if self.rank == 0:
-            listener, token, addresses = self._listen()
-            comm.bcast((addresses, listener.getsockname()[1], token), root=0)
+            listener = None
             try:
-                self._accept(listener, token)
+                make_room(self.size - 1)
+                listener, token, addresses = listen(self.size)
             except Exception as exc:  # noqa: BLE001 - every rank must learn it: below
                 error = f"rank 0: {exc}"
-            finally:
-                listener.close()
+            comm.bcast(None if listener is None
+                       else (addresses, listener.getsockname()[1], token), root=0)
+            if listener is not None:
+                try:
+                    self._peers = accept_ranks(listener, token, self.size)
+                except Exception as exc:  # noqa: BLE001 - every rank must learn it: below
+                    error = f"rank 0: {exc}"
+                finally:
+                    listener.close()
         else:
-            addresses, port, token = comm.bcast(None, root=0)
+            hub = comm.bcast(None, root=0)
             try:
-                self._connect(addresses, port, token)
+                if hub is not None:  # else rank 0 could not listen, and says why
+                    self._connect(*hub)
             except Exception as exc:  # noqa: BLE001 - every rank must learn it: below
                 error = f"rank {self.rank}: {exc}"
         errors = [e for e in comm.allgather(error) if e]
@@ -187,43 +272,13 @@ class PeerWatch:
         self._thread.start()
 
     # -- set-up ------------------------------------------------------------------------------
-    def _listen(self):
-        iface = os.environ.get("HOROVOD_GLOO_IFACE") or None
-        addresses = host_addresses(iface)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("0.0.0.0" if not iface else addresses[0], 0))
-        listener.listen(min(self.size, 4096))
-        return listener, secrets.token_hex(16), addresses
-
-    def _accept(self, listener: socket.socket, token: str) -> None:
-        deadline = time.monotonic() + CONNECT_S
-        while len(self._peers) < self.size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, self.size)) - set(self._peers.values()))
-                raise TimeoutError(f"rank(s) {rank_list(missing)} did not connect within "
-                                   f"{CONNECT_S:g} s")
-            listener.settimeout(left)
-            conn, _ = listener.accept()
-            conn.settimeout(left)
-            try:
-                message = json.loads(_hello(conn))
-            except (OSError, ValueError):
-                message = {}
-            if message.get("token") != token:  # not one of ours
-                conn.close()
-                continue
-            conn.settimeout(None)
-            _keepalive(conn)
-            self._peers[conn] = int(message["rank"])
-
     def _connect(self, addresses: list[str], port: int, token: str) -> None:
         if self.hosts[self.rank] == self.hosts[0]:
             addresses = ["127.0.0.1"] + addresses
         failures = []
         for address in addresses:
             try:
-                sock = socket.create_connection((address, port), timeout=5)
+                sock = socket.create_connection((address, port), timeout=DIAL_S)
             except OSError as exc:
                 failures.append(f"{address}:{port}: {exc}")
                 continue

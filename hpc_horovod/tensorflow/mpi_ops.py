@@ -10,9 +10,13 @@ forever once the threads run out. Inside ``tf.function`` TensorFlow chains state
 program order itself. In a tf.compat.v1 graph each collective gets a control dependency on the
 collectives built before it in the same graph (and control-flow context) whose run needs nothing
 this one does not: no other placeholder and no other stateful op (variables and random numbers
-aside). Collectives fetched together therefore run in the order they were built on every rank,
-while fetching one never runs a collective that needs another feed or consumes other input, such
-as the broadcast of the variables built after the training step.
+aside), and that has not run yet. Collectives fetched together therefore run in the order they
+were built on every rank, while fetching one never runs a collective that needs another feed or
+consumes other input, such as the broadcast of the variables built after the training step. A
+collective that has already run when a later one is built was fetched without it, so it is left
+out: a program that fetches each collective as it builds it (as Horovod's tests do, one graph for
+a hundred broadcasts) runs one collective per fetch, not every one built before. The ranks build
+the same graph as long as each builds and runs in program order (in one thread).
 
 Errors: a collective the ranks disagree on (shapes, dtypes, ops) raises
 ``tf.errors.FailedPreconditionError`` (also a ``HorovodInternalError``) eagerly; a bad argument
@@ -123,7 +127,23 @@ def _graph_name(prefix: str) -> str:
 #: computes: reading variables, and drawing random numbers.
 _RERUNNABLE = frozenset({"VariableV2", "Variable", "VarHandleOp", "ReadVariableOp",
                          "VarIsInitializedOp", *auto_control_deps.LEGACY_RANDOM_OPS})
-#: Per tf.compat.v1 graph: (op, control-flow context, needs) of every collective built in it.
+
+
+class _GraphCollective:
+    """A collective built in a tf.compat.v1 graph, as the collectives built after it see it."""
+
+    def __init__(self, context, needs: frozenset):
+        self.op: tf.Operation | None = None
+        self.context = context  # control-flow context
+        self.needs = needs  # see _needs
+        self.ran = False  # set when the op first runs
+
+    def record(self, op: tf.Operation) -> None:
+        self.op = op
+        _graph_collectives.setdefault(op.graph, []).append(self)
+
+
+#: Per tf.compat.v1 graph: every collective built in it, in build order.
 _graph_collectives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -150,16 +170,16 @@ def _needs(tensors: Iterable[tf.Tensor], built: dict) -> frozenset:
 
 def _predecessors(inputs: list[tf.Tensor]):
     """In a tf.compat.v1 graph: the collectives this one must wait for (see the module docstring),
-    and a function recording the new op. Inside ``tf.function``: none."""
+    and the record of the new one (``record`` it with its op). Inside ``tf.function``: none and
+    None."""
     graph = tf.compat.v1.get_default_graph()
     if graph.building_function:
-        return [], lambda op: None
+        return [], None
     context = graph._get_control_flow_context()
-    earlier = _graph_collectives.setdefault(graph, [])
-    needs = _needs(inputs, {op: op_needs for op, _, op_needs in earlier})
-    deps = [op for op, op_context, op_needs in earlier
-            if op_context is context and op_needs <= needs]
-    return deps, lambda op: earlier.append((op, context, needs))
+    earlier = _graph_collectives.get(graph, [])
+    needs = _needs(inputs, {c.op: c.needs for c in earlier})
+    deps = [c.op for c in earlier if not c.ran and c.context is context and c.needs <= needs]
+    return deps, _GraphCollective(context, needs)
 
 
 def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType],
@@ -178,14 +198,18 @@ def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType]
     _check_not_xla(prefix)
     if name is None:
         name = _graph_name(prefix)
-    deps, record = _predecessors(inputs)
+    deps, built = _predecessors(inputs)
+
+    def body(*arrays):
+        if built is not None:
+            built.ran = True
+        return run_on_host(arrays, name)
     with tf.control_dependencies(deps):
-        outputs = tf.numpy_function(lambda *arrays: run_on_host(arrays, name), inputs,
-                                    out_dtypes, stateful=True, name=prefix)
+        outputs = tf.numpy_function(body, inputs, out_dtypes, stateful=True, name=prefix)
+    if built is not None:
+        built.record(outputs if not out_dtypes else outputs[0].op)
     if not out_dtypes:
-        record(outputs)
         return outputs
-    record(outputs[0].op)
     for out, shape in zip(outputs, out_shapes):
         out.set_shape(shape)
     return outputs

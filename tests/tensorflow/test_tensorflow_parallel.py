@@ -1,5 +1,6 @@
 """hpc_horovod.tensorflow over real MPI processes, on 2 ranks (the checks' expected values are
-those of 2 ranks, and each process imports TensorFlow, seconds on a small machine). Each
+those of 2 ranks, and each process imports TensorFlow, seconds on a small machine), and 3 for the
+checks of the ranks' order in tf.compat.v1 graphs. Each
 ``mpi_*.py`` module runs under ``mpirun -np 2 python -m pytest`` and each of its checks is one
 test here (support.mpi_checks)."""
 
@@ -21,3 +22,4 @@ test_ops = mpi_checks(HERE / "mpi_ops.py", ranks=(2,),
 test_training = mpi_checks(HERE / "mpi_training.py", ranks=(2,), env=TF_ENV)
 test_tf1 = mpi_checks(HERE / "mpi_tf1.py", ranks=(2,), env=TF_ENV)
 test_parity = mpi_checks(HERE / "mpi_parity.py", ranks=(2,), env=TF_ENV)
+test_tf1_order = mpi_checks(HERE / "mpi_tf1_order.py", ranks=(2, 3), env=TF_ENV)

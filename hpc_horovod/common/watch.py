@@ -40,6 +40,21 @@ being the hub, and stops the same way when its census was fatal.
 The listener is rank 0's; the others learn its addresses (every IPv4 address of its host, or
 only ``HOROVOD_GLOO_IFACE``'s when set, Horovod's variable for the interface of its side
 channel) and a random token through one MPI broadcast at ``init``.
+
+Rank 0 holds one connection per other rank, 1,023 in a job of 1,024, beside Open MPI's own
+files: more than the soft limit of open files (``ulimit -n``) that many clusters keep at 1,024,
+under a hard limit of 4,096 or more. So ``init`` counts the files rank 0 has open and, when
+the connections would not fit with ``SPARE_FDS`` to spare, raises its soft limit
+(:func:`make_room`), saying so in one line, since the limit is the whole process's: to the old
+limit plus the connections, within the hard limit, so that Open MPI and the script keep the
+room they had. A hard limit too low fails ``init`` on every rank, naming ``ulimit -n`` and the
+numbers. One direct connection per rank stays, rather than a tree through each node's first
+rank, which would hold fewer: through a tree every loss, failure and census would be relayed,
+and a frozen first rank would hide its whole node. The listener's backlog is the job's size
+(the kernel caps it at ``net.core.somaxconn``, 4,096 on current kernels) and rank 0 takes each
+connection's first line as it accepts it: a thousand ranks connecting at once all get in
+(tests/common/test_watch.py), and TCP resends a connect that a full backlog dropped, within
+the ``DIAL_S`` a rank gives each address.
 """
 
 from __future__ import annotations

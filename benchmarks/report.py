@@ -353,7 +353,6 @@ def projection_rows(result: dict, cache_capacity: int = 1024) -> list[list]:
 
 def scaling_lines(result: dict) -> list[str]:
     meta, rows = result["meta"], sorted(result["rows"], key=lambda r: r["ranks"])
-    c = scaling_constants(result)
     base = rows[0]
     lines = ["## Costs as the ranks grow", "", *run_lines(meta),
              f"All ranks on one host of {meta['cores']} cores (oversubscribed from "
@@ -391,6 +390,10 @@ def scaling_lines(result: dict) -> list[str]:
           _growth(r["exchange_s"], base["exchange_s"], ms),
           _growth(r["band_allreduce_s"], base["band_allreduce_s"], ms),
           _growth(r["match_s"], base["match_s"], ms)] for r in rows])
+    if not result["python"]:
+        return lines + ["The Python work in one process was not measured in this run: no "
+                        "constants, no projections.", ""]
+    c = scaling_constants(result)
     py = sorted(result["python"], key=lambda r: (r["names"], r["ranks"]))
     lines += ["What one rank does with the gathered lists in a full negotiation, measured in one "
               "process at sizes one host cannot run: the bytes it receives (every rank's "

@@ -164,10 +164,10 @@ def make_room(connections: int) -> None:
         return
     if hard != infinite and required > hard:
         raise OSError(
-            f"rank 0 needs {required} open files ({connections} connections to the other "
-            f"ranks and 2 more, {open_now} open already, {SPARE_FDS} to spare) but its hard "
-            f"limit is {hard}: raise `ulimit -n` (soft {soft}, hard {hard}) where the job "
-            "starts, or ask the cluster's administrators for a higher hard limit")
+            f"{required} open files needed ({connections} connections to the other ranks "
+            f"and 2 more, {open_now} open already, {SPARE_FDS} to spare) but the hard limit "
+            f"is {hard}: raise `ulimit -n` (soft {soft}, hard {hard}) where the job starts, "
+            "or ask the cluster's administrators for a higher hard limit")
     raised = max(required, soft + need)
     raised = raised if hard == infinite else min(hard, raised)
     resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))

@@ -41,4 +41,4 @@ def test_a_hard_limit_too_low_fails_init_on_every_rank_naming_ulimit(mpirun):
     for rank in range(NP):
         assert (f"[1,{rank}]<stderr>:RuntimeError: the ranks could not open their connections "
                 "to rank 0") in out, out
-    assert f"but its hard limit is {low}: raise `ulimit -n` (soft {low}, hard {low})" in out, out
+    assert f"but the hard limit is {low}: raise `ulimit -n` (soft {low}, hard {low})" in out, out

@@ -374,6 +374,12 @@ def scaling_lines(result: dict) -> list[str]:
              "MPI form, one bitwise-AND `Allreduce` of 3 words (on one host the engine ANDs "
              "through the node's shared window instead); `match` over the gathered lists on "
              "rank 0.", ""]
+    if max(meta["loadavg"][0], meta["loadavg_end"][0]) > 2 * meta["cores"]:
+        lines += [f"**The load average exceeded twice the {meta['cores']} cores**: the wall "
+                  "times of this run (`init`, steps, exchanges) measure other people's load "
+                  "more than the engine, and their growth need not be monotone. The counts "
+                  "(memory, open files), the bytes and the CPU times (`match`, and the table "
+                  "below) do not depend on it.", ""]
     ms = fmt_time
     lines += table(
         ["ranks", "jobs", "backend", "`init`", "rank 0 RSS", "rank 0 open files",

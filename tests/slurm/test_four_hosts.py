@@ -30,7 +30,7 @@ LONG_RUN = Path(__file__).resolve().parents[1] / "torch" / "long_run.py"
 HOSTS = ("h1", "h2", "h3", "h4")
 SRUN_4X4 = ["srun", "-N", "4", "--ntasks-per-node=4", "--mpi=pmix", "--label"]
 #: seeds of the hammer's pauses: each is one job
-SEEDS = (1, 2, 3)
+SEEDS = (1, 2)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,15 @@ def test_layout_of_four_hosts(cluster):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_hammer(cluster, seed):
-    proc = cluster.run([*SRUN_4X4, sys.executable, str(WORKERS / "hammer.py"), "40",
+    proc = cluster.run([*SRUN_4X4, sys.executable, str(WORKERS / "hammer.py"), "30",
                         str(seed)], timeout=400, env={"HOROVOD_PEER_TIMEOUT_SECONDS": "120"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "hammer ok: 40 steps" in out, out
+    assert "hammer ok: 30 steps" in out, out
 
 
 def test_distributed_optimizer_with_process_sets_and_uneven_ends(cluster):
-    steps = 60
+    steps = 40
     proc = cluster.run([*SRUN_4X4, sys.executable, str(LONG_RUN), str(steps)], timeout=500,
                        env={"HOROVOD_BUCKET_BYTES": "2048",
                             "HOROVOD_PEER_TIMEOUT_SECONDS": "120"})

@@ -158,7 +158,10 @@ def make_room(connections: int) -> None:
     need = connections + 2
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     infinite = resource.RLIM_INFINITY
-    open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError:  # no /proc (not Linux): the limit is left as it is
+        return
     required = open_now + need + SPARE_FDS
     if soft == infinite or required <= soft:
         return

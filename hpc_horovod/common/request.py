@@ -162,7 +162,10 @@ def alltoall_request(array: np.ndarray, splits=None, *, name=None,
     ps_id = process_set_id(process_set)
     n = process_set.size()
     if splits is not None:
-        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        splits = np.asarray(splits)
+        if splits.size and splits.dtype.kind not in "iu":
+            raise ValueError(f"alltoall: splits must be integers, not {splits.dtype}")
+        splits = splits.astype(np.int64).reshape(-1)
         if splits.size != n:
             raise ValueError(f"alltoall: splits has {splits.size} entries but the process set "
                              f"has {n} ranks")

@@ -28,7 +28,7 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --timeout=600 tests
+	$(PY) -m pytest -q --timeout=600 --durations=30 tests
 
 lint: venv
 	$(PY) -m ruff check .

@@ -35,10 +35,13 @@ class Backend:
         as it is set while waiting."""
         self._unsupported("negotiate")
 
-    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
-        """Every rank's picklable ``obj``, in rank order; ``timeout_s`` and ``alarm`` as in
-        :meth:`negotiate`."""
-        self._unsupported("allgather_object")
+    def agree(self, obj, decide, timeout_s: float = 0.0, alarm=None):
+        """``decide(objs)`` run on rank 0 over every rank's picklable ``obj`` (in rank order),
+        its picklable result returned on every rank; ``timeout_s`` and ``alarm`` as in
+        :meth:`negotiate`. One rank decides and the others receive its decision, so every
+        rank acts on the same one, and no rank holds more than its own ``obj`` and the
+        decision except rank 0 (Horovod's controller does the same)."""
+        self._unsupported("agree")
 
     def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
                        alarm=None) -> np.ndarray:

@@ -73,7 +73,7 @@ class MpiBackend(Backend):
         self.size = comm.Get_size()
         self._waiter = RequestWaiter(self.size)
         self._words: np.ndarray | None = None  # the buffer of the last negotiation
-        self._kept: tuple = ()  # those of the last allgather_object and allgather_ints
+        self._kept: tuple = ()  # those of the last agree and allgather_ints
         self._kept_ints: tuple = ()
 
     # -- negotiation ---------------------------------------------------------------------------
@@ -88,17 +88,40 @@ class MpiBackend(Backend):
         req = self.comm.Iallreduce(MPI.IN_PLACE, words, op=MPI.BAND)
         self._waiter.wait(req, timeout_s, "negotiation", alarm)
 
-    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
-        """Every rank's ``obj``, in rank order; waits as :meth:`negotiate`'s do (a peer that
-        fails or is lost while the others exchange their names ends the wait)."""
+    def agree(self, obj, decide, timeout_s: float = 0.0, alarm=None):
+        """A gather to rank 0 and a broadcast of its decision: each rank sends its ``obj``
+        once and receives one decision, where an allgather would give every rank every
+        rank's ``obj`` (bytes growing as the square of the ranks) and open a connection
+        between every pair of nodes at once. Waits as :meth:`negotiate`'s do (a peer that
+        fails or is lost meanwhile ends the wait)."""
+        label = "exchange of pending names"
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        sizes = self.allgather_ints(np.array([data.size]), timeout_s, alarm)[:, 0]
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        root = self.rank == 0
+        mine = np.array([data.size], np.int64)
+        sizes = np.empty(self.size if root else 0, np.int64)
+        # as ``words`` in negotiate: MPI may write into these after a wait is given up on
+        self._kept = (data, mine, sizes)
+        self._waiter.wait(self.comm.Igather(mine, sizes, root=0), timeout_s, label, alarm)
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1])) if root else sizes
         out = np.empty(int(sizes.sum()), np.uint8)
-        self._kept = (data, out)  # as ``words`` in negotiate: MPI may write after a give-up
-        req = self.comm.Iallgatherv(data, [out, sizes.tolist(), displs.tolist(), MPI.BYTE])
-        self._waiter.wait(req, timeout_s, "exchange of pending names", alarm)
-        return [pickle.loads(out[a:a + n]) for a, n in zip(displs.tolist(), sizes.tolist())]
+        self._kept = (data, out)
+        recv = [out, sizes.tolist(), displs.tolist(), MPI.BYTE] if root else None
+        self._waiter.wait(self.comm.Igatherv(data, recv, root=0), timeout_s, label, alarm)
+        if root:
+            gathered = [pickle.loads(out[a:a + n]) for a, n in zip(displs.tolist(),
+                                                                     sizes.tolist())]
+            decision = np.frombuffer(pickle.dumps(decide(gathered),
+                                                  protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            length = np.array([decision.size], np.int64)
+        else:
+            length = np.zeros(1, np.int64)
+        self._kept = (length,)
+        self._waiter.wait(self.comm.Ibcast(length, root=0), timeout_s, label, alarm)
+        if not root:
+            decision = np.empty(int(length[0]), np.uint8)
+        self._kept = (decision,)
+        self._waiter.wait(self.comm.Ibcast(decision, root=0), timeout_s, label, alarm)
+        return pickle.loads(decision)
 
     def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
                        alarm=None) -> np.ndarray:

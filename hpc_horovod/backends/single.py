@@ -17,8 +17,8 @@ class SingleBackend(Backend):
     def negotiate(self, words: np.ndarray, timeout_s: float, alarm=None) -> None:
         return None
 
-    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None):
-        return [obj]
+    def agree(self, obj, decide, timeout_s: float = 0.0, alarm=None):
+        return decide([obj])
 
     def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
                        alarm=None) -> np.ndarray:

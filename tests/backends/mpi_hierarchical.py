@@ -463,3 +463,26 @@ def test_close_without_a_peer_gives_up_naming_it(caplog):
     assert named, caplog.text
     absent = {int(r) for r in named.group(1).split(",")}
     assert (absent == set(range(SIZE - 1))) if RANK == late else (late in absent), caplog.text
+
+
+@pytest.mark.parametrize("which", ["flat", "hier"])
+def test_agree_decides_once_at_rank_0(flat, hier, which):
+    backend = flat if which == "flat" else hier
+    calls = []
+
+    def decide(objs):
+        calls.append(len(objs))
+        return {"objs": objs, "decided_by": RANK}
+
+    for round_ in range(3):
+        # lists of different lengths on each rank, one of them large, one empty
+        mine = [("name", RANK, i) for i in range(RANK * 7 + round_)] if RANK != 1 else []
+        if RANK == SIZE - 1 and round_ == 1:
+            mine.append("x" * 200_000)
+        got = backend.agree(mine, decide, 30.0)
+        want = [[("name", r, i) for i in range(r * 7 + round_)] if r != 1 else []
+                for r in range(SIZE)]
+        if round_ == 1:
+            want[SIZE - 1].append("x" * 200_000)
+        assert got == {"objs": want, "decided_by": 0}
+    assert calls == ([SIZE] * 3 if RANK == 0 else [])

@@ -14,7 +14,7 @@ from hpc_horovod.common.types import Sum, bfloat16
 
 CALLS = {
     "negotiate": (lambda b: b.negotiate(np.zeros(2, np.uint64), 1.0), "negotiate"),
-    "allgather_object": (lambda b: b.allgather_object(1), "allgather_object"),
+    "agree": (lambda b: b.agree(1, list), "agree"),
     "allgather_ints": (lambda b: b.allgather_ints(np.zeros(1)), "allgather_ints"),
     "alltoall_ints": (lambda b: b.alltoall_ints(np.zeros(1)), "alltoall_ints"),
     "allreduce": (lambda b: b.allreduce(np.zeros(1), Sum), "allreduce"),
@@ -62,7 +62,7 @@ def test_single_allreduce_in_place_and_from_a_send_buffer():
 def test_single_collectives_are_local_copies():
     backend = SingleBackend()
     assert (backend.rank, backend.size) == (0, 1)
-    assert backend.allgather_object({"a": 1}) == [{"a": 1}]
+    assert backend.agree({"a": 1}, lambda objs: (len(objs), objs[0])) == (1, {"a": 1})
     ints = np.array([3, 4], np.int64)
     assert backend.allgather_ints(ints).tolist() == [[3, 4]]
     assert backend.alltoall_ints(ints).tolist() == [3, 4]

@@ -13,16 +13,17 @@ from elsewhere hits them alike) each measure, every time on the slowest rank:
   side channel of ``common/watch.py``);
 * a first step: ``--names`` named allreduces of one float32 each, never seen before, submitted
   asynchronously then synchronized: the full negotiation (every rank's pending
-  ``(name, signature)`` list gathered on every rank, ``negotiation.match``), then one fused
-  allreduce. ``--rounds`` rounds per job, each with new names;
+  ``(name, signature)`` list gathered at rank 0, ``negotiation.match`` there, its decision
+  broadcast), then one fused allreduce. ``--rounds`` rounds per job, each with new names;
 * steady steps: after each first step, ``--steps`` steps of the same names: the cheap phase
   only (one bitwise AND of ``2 + nwords`` 64-bit words), then the same allreduce;
 * before ``init`` (no engine thread running), the two exchanges of the protocol on their own,
-  with mpi4py on the same ranks: the full negotiation's exchange (``allgather_object`` as the
-  MPI backend does it: the sizes, then the pickled lists, then every list unpickled) of one
-  first step's list, and one bitwise-AND ``Allreduce`` of three 64-bit words (the cheap phase
-  across nodes; on one node the engine ANDs through the node's shared window instead). And
-  ``negotiation.match`` over the gathered lists on rank 0 (CPU time, as below).
+  on the same ranks: the full negotiation's exchange of one first step's list through the MPI
+  backend's own ``agree`` (the sizes and the pickled lists gathered at rank 0, every list
+  unpickled and ``negotiation.match`` run there, its decision broadcast), and one bitwise-AND
+  ``Allreduce`` of three 64-bit words with mpi4py (the cheap phase across nodes; on one node
+  the engine ANDs through the node's shared window instead). And ``negotiation.match`` over
+  the gathered lists on rank 0 alone (CPU time, as below).
 
 Then, in this process, the protocol's Python work at sizes one host cannot run: unpickling
 ``size`` lists of 20 and 200 names (its CPU time, and the memory the lists hold, traced) and
@@ -101,6 +102,7 @@ def worker(args) -> None:
     from mpi4py import MPI
 
     import hpc_horovod as hvd
+    from hpc_horovod.backends.mpi import MpiBackend
     from hpc_horovod.common.negotiation import match
 
     comm = MPI.COMM_WORLD.Dup()
@@ -115,20 +117,20 @@ def worker(args) -> None:
         fn()
         return slowest(time.perf_counter() - start)
 
-    # The protocol's two exchanges alone, before the engine exists.
+    # The protocol's two exchanges alone, before the engine exists: the full negotiation's
+    # through the MPI backend's own ``agree`` (every list gathered at rank 0, ``match`` there,
+    # its decision broadcast), the cheap phase's as one AND allreduce.
     mine = pending_list(names_of(0, args.names))
-    payload = np.frombuffer(pickle.dumps((mine, False, False), pickle.HIGHEST_PROTOCOL),
-                            np.uint8)
+    payload = pickle.dumps((mine, False, False), pickle.HIGHEST_PROTOCOL)
+    backend = MpiBackend(comm.Dup())
     gathered = []
 
+    def decide(lists):
+        gathered[:] = lists
+        return match([g[0] for g in lists], set(), list(range(size)))
+
     def exchange() -> None:
-        sizes = np.empty(size, np.int64)
-        comm.Allgather(np.array([payload.size], np.int64), sizes)
-        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        out = np.empty(int(sizes.sum()), np.uint8)
-        comm.Allgatherv(payload, [out, sizes.tolist(), displs.tolist(), MPI.BYTE])
-        gathered[:] = [pickle.loads(out[a:a + n]) for a, n in zip(displs.tolist(),
-                                                                   sizes.tolist())]
+        backend.agree((mine, False, False), decide)
 
     words = np.zeros(3, np.uint64)
     exchange_s = [timed(exchange) for _ in range(args.reps)]
@@ -159,6 +161,7 @@ def worker(args) -> None:
         first_s.append(timed(lambda names=names: step(names)))
         steady_s += [timed(lambda names=names: step(names)) for _ in range(args.steps)]
     hvd.shutdown()
+    backend.free()
     if rank == 0:
         print("RESULT " + json.dumps({
             "ranks": size, "backend": backend, "init_s": init_s,
@@ -167,7 +170,7 @@ def worker(args) -> None:
             "others_max_open_files": max((u[1] for u in usage[1:]), default=None),
             "first_step_s": first_s, "steady_step_s": steady_s,
             "exchange_s": exchange_s, "band_allreduce_s": band_s, "match_s": match_s,
-            "payload_bytes": int(payload.size)}), flush=True)
+            "payload_bytes": len(payload)}), flush=True)
 
 
 # -- the driver ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from . import check_build
+from .common.log import LEVELS
 from .elastic_launch import Elastic, run_elastic
 from .launch import Launch, exit_status, run_launch
 from .version import __version__
@@ -58,15 +59,11 @@ UNSUPPORTED = {
     "--thread-affinity": "pin the background thread with the launcher's binding instead",
     "--gloo-timeout-seconds": "hpc_horovod has no Gloo controller",
     "--mpi-threads-disable": "MPI threading is chosen by hpc_horovod itself",
-    "--log-with-timestamp": "log lines carry no timestamps",
-    "--log-without-timestamp": "log lines carry no timestamps",
-    "--log-hide-timestamp": "log lines carry no timestamps",
 }
 FLAGS_WITHOUT_VALUE = {"--gloo", "--jsrun", "--autotune", "--tcp", "--hierarchical-allgather",
-                       "--no-hierarchical-allgather", "--mpi-threads-disable",
-                       "--log-with-timestamp", "--log-without-timestamp", "--log-hide-timestamp"}
+                       "--no-hierarchical-allgather", "--mpi-threads-disable"}
 
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+LOG_LEVELS = tuple(name.upper() for name in LEVELS)
 
 
 class _Refuse(argparse.Action):
@@ -121,8 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HOROVOD_STALL_CHECK_TIME_SECONDS")
     stall.add_argument("--stall-check-shutdown-time-seconds", type=int,
                        help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                   help="HOROVOD_LOG_LEVEL")
+    log_flags = p.add_argument_group("logging")
+    log_flags.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                           help="what the ranks log (HOROVOD_LOG_LEVEL; default WARNING)")
+    stamp = log_flags.add_mutually_exclusive_group()
+    stamp.add_argument("--log-with-timestamp", dest="log_with_timestamp", action="store_true",
+                       default=None, help=argparse.SUPPRESS)
+    stamp.add_argument("--log-without-timestamp", "--log-hide-timestamp",
+                       dest="log_with_timestamp", action="store_false",
+                       help="log lines without their timestamp (HOROVOD_LOG_HIDE_TIME=1)")
     elastic = p.add_argument_group("elastic training (hpc-horovod run's)")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                          help="restart on what is left after a lost rank while at least this "
@@ -165,6 +169,8 @@ def horovod_env(args: argparse.Namespace) -> dict[str, str]:
         env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
     if args.log_level:
         env["HOROVOD_LOG_LEVEL"] = args.log_level
+    if args.log_with_timestamp is not None:
+        env["HOROVOD_LOG_HIDE_TIME"] = "0" if args.log_with_timestamp else "1"
     return env
 
 

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .common.config import Settings
+
 
 def mpi_flavour(launcher: str) -> str:
     """'openmpi', 'mpich' or 'intel', from the launcher's ``--version`` banner."""
@@ -192,8 +194,11 @@ def build_command(args: Launch, env: Mapping[str, str] | None = None,
 
 def launcher_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The launcher's environment: this one, ``extra`` on top, and Open MPI's consent to run as
-    root when this is root (the launcher's own, never this process's)."""
+    root when this is root (the launcher's own, never this process's). The ``HOROVOD_*``
+    settings the ranks will read are checked here: a bad value (``HOROVOD_LOG_LEVEL=verbose``)
+    stops the launch with one line (ValueError) rather than a traceback on every rank."""
     env = {**os.environ, **(extra or {})}
+    Settings.from_env(env)
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

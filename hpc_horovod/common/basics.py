@@ -22,6 +22,8 @@ from .config import Settings
 from .engine import Engine
 from .errors import NOT_INITIALIZED, SHUT_DOWN, HorovodInternalError
 from .gpu_probe import cuda_built, nccl_built  # noqa: F401 - part of the API
+from .log import configure as configure_log
+from .log import log
 from .request import Request, control_signature
 from .timeline import Timeline
 
@@ -99,8 +101,15 @@ class Runtime:
         """Collective over the job's ranks (or ``comm``'s) when the job has several: creates
         the communicators, then the engine, whose thread starts last."""
         self.settings = settings = Settings.from_env()
-        composed = compose(topology_mod.detect(), settings, comm)
+        detected = topology_mod.detect()
+        # configured before compose, so that the backends' own lines are tagged too; again
+        # when MPI gave this process another rank (``comm``)
+        configure_log(settings, detected.rank, detected.hostname)
+        composed = compose(detected, settings, comm)
         self.topology = topo = composed.topology
+        if topo.rank != detected.rank:
+            configure_log(settings, topo.rank, topo.hostname)
+        log.debug("backend: %s", _why_backend(composed, settings))
         self.backend_name = composed.name
         self.mpi_threads = composed.mpi_threads
         timeline = None
@@ -176,8 +185,7 @@ class Runtime:
     def _exit_after_loss(self, text: str) -> None:
         if on_peer_lost is not None:
             on_peer_lost(text)
-        print(f"[hpc_horovod] rank {self.topology.rank}: exiting, {text[0].lower()}{text[1:]}",
-              file=sys.stderr)
+        log.error("exiting, %s%s", text[0].lower(), text[1:])
         _exit_now(1, end_step=self.topology.launcher == topology_mod.SLURM)
 
     def ends_step(self) -> bool:
@@ -193,8 +201,7 @@ class Runtime:
         """Rank 0's one line for the whole job, once."""
         if not self.summary_printed:
             self.summary_printed = True
-            print(f"[hpc_horovod] job failed: {culprit.splitlines()[0]}", file=sys.stderr,
-                  flush=True)
+            log.error("job failed: %s", culprit.splitlines()[0])
 
     def release(self) -> None:
         """Free what this runtime holds, locally (never a collective that waits for a peer):
@@ -212,6 +219,26 @@ class Runtime:
         for ps in self.process_sets.values():
             if ps is not global_process_set:
                 ps.process_set_id = None
+
+
+def _why_backend(composed, settings: Settings) -> str:
+    """The backends ``compose`` chose, and the setting or condition that chose each (the
+    debug log's line at ``init``)."""
+    topo = composed.topology
+    if composed.name == "single":
+        return f"single: a process alone ({topo.launcher}), MPI not loaded"
+    host = getattr(composed.backend, "host", composed.backend)
+    if host.name == "hierarchical":
+        why = (f"HOROVOD_HIERARCHICAL_ALLREDUCE=1 and {topo.local_size} ranks on this node: "
+               "the node's shared window, MPI across nodes")
+    elif settings.hierarchical_allreduce:
+        why = "HOROVOD_HIERARCHICAL_ALLREDUCE=1, but every node holds one rank"
+    else:
+        why = "HOROVOD_HIERARCHICAL_ALLREDUCE=0"
+    device = ("nccl (CuPy, NCCL and a GPU of its own on every rank)" if composed.name == "nccl"
+              else "none: GPU tensors, if any, go through host memory")
+    return (f"{host.name} for host buffers ({why}); device buffers: {device}; "
+            f"{topo.size} ranks, {topo.launcher}")
 
 
 _runtime: Runtime | None = None
@@ -249,6 +276,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
         importlib.import_module("hpc_horovod.slurm.requeue").catch_early_signal()
     _runtime = Runtime(comm, process_sets or ())
     importlib.import_module("hpc_horovod.slurm.preflight").warn_threads(_runtime.topology)
+    importlib.import_module("hpc_horovod.streams").line_buffered(_runtime.topology.launcher)
     _install_hooks()
 
 
@@ -329,8 +357,8 @@ def _cancel_step() -> None:
     scancel = shutil.which("scancel")
     if not (job and step and step.isdigit()) or scancel is None:
         return
-    print(f"[hpc_horovod] ending step {job}.{step} (scancel): a frozen or orphaned task would "
-          "hold it until the job's time limit", file=sys.stderr, flush=True)
+    log.warning("ending step %s.%s (scancel): a frozen or orphaned task would hold it until "
+                "the job's time limit", job, step)
     try:
         subprocess.run([scancel, "--quiet", f"{job}.{step}"], stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
@@ -346,8 +374,7 @@ def _at_exit() -> None:
     runtime = _runtime
     if runtime is not None and runtime.engine.stopped and runtime.engine.error is not None \
             and runtime.topology.size > 1:
-        print(f"[hpc_horovod] rank {runtime.topology.rank}: exiting after a fatal error: "
-              f"{str(runtime.engine.error).splitlines()[0]}", file=sys.stderr)
+        log.error("exiting after a fatal error: %s", str(runtime.engine.error).splitlines()[0])
         _exit_now(1, end_step=runtime.ends_step())
     shutdown()
 

@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .log import LEVELS
+
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -30,6 +32,15 @@ def _number(env: Mapping[str, str], name: str, default: float, kind=float):
     return parsed
 
 
+def _log_level(env: Mapping[str, str]) -> str:
+    value = env.get("HOROVOD_LOG_LEVEL", "")
+    level = value.strip().lower() or Settings.log_level
+    if level not in LEVELS:
+        raise ValueError(f"HOROVOD_LOG_LEVEL={value!r} is not a log level: use one of "
+                         f"{', '.join(LEVELS)} (in any case)")
+    return level
+
+
 @dataclass(frozen=True)
 class Settings:
     #: bytes fused into one buffer; with the hierarchical allreduce, each rank's segment of the
@@ -50,7 +61,11 @@ class Settings:
     #: host allreduce in stages (the node's shared window, then MPI across nodes); 0 gives the
     #: flat MPI path
     hierarchical_allreduce: bool = True
+    #: Horovod's level of the ``hpc_horovod`` logger (``common/log.py``): what each adds is
+    #: said there
     log_level: str = "warning"
+    #: log lines without Horovod's timestamp
+    log_hide_time: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -74,5 +89,6 @@ class Settings:
             dynamic_process_sets=_flag(env, "HOROVOD_DYNAMIC_PROCESS_SETS"),
             hierarchical_allreduce=_flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE",
                                          cls.hierarchical_allreduce),
-            log_level=env.get("HOROVOD_LOG_LEVEL", cls.log_level).lower(),
+            log_level=_log_level(env),
+            log_hide_time=_flag(env, "HOROVOD_LOG_HIDE_TIME"),
         )

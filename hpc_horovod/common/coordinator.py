@@ -14,9 +14,9 @@ same order of sets on every rank (the engine's cycles are collectives):
    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` and no report went out since), ``FLAG_ABORT`` (older
    than ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``), ``FLAG_SHUTDOWN`` (``shutdown()`` was called;
    set 0 only). **AND flag**: ``FLAG_JOINED`` (this rank joined; set on every rank: all joined).
-3. **Full phase**, when any OR flag is set: every rank gathers every rank's pending
-   ``(name, signature)`` list, whether it joined, whether it shuts down
-   (``Backend.allgather_object``); ``negotiation.match`` decides, identically everywhere,
+3. **Full phase**, when any OR flag is set: every rank sends its pending
+   ``(name, signature)`` list, whether it joined, whether it shuts down, to rank 0, where
+   ``negotiation.match`` decides, and every rank receives that decision (``Backend.agree``):
    which names are ready (they get cache bits, in the same order on every rank, so bit
    assignments never diverge), which disagree (their requests fail on every rank that
    submitted them), and who is awaited for what. Ready names of both phases form one
@@ -38,7 +38,7 @@ A failure outside this protocol (a rank's own error, a lost rank) reaches the pe
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 
@@ -47,6 +47,7 @@ import numpy as np
 from .config import Settings
 from .errors import SHUT_DOWN, HorovodInternalError
 from .execution import Execution, Plan
+from .log import TRACE, log
 from .negotiation import (
     FLAG_ABORT,
     FLAG_JOINED,
@@ -97,7 +98,24 @@ class ProcessSetState:
             names = [cache.name(bit) for bit in iter_bits(ready_bits)]
             sigs = [cache.signature(name) for name in names]
             plan = self._plans[ready_bits] = Plan(names, sigs, threshold)
+            _log_plan(self.id, plan, "cached names")
         return plan
+
+
+def _log_plan(ps_id: int, plan: Plan, source: str) -> None:
+    """The debug log's line for a plan just built."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("process set %d: plan of %d tensor(s) (%s): %s", ps_id, len(plan.names),
+                  source, plan.describe())
+
+
+def _flags(or_flags: int, and_flags: int) -> str:
+    """The trace log's names of a cycle's flags."""
+    names = [name for flag, name in ((FLAG_UNCACHED, "uncached"), (FLAG_STALL, "stall"),
+                                     (FLAG_ABORT, "abort"), (FLAG_SHUTDOWN, "shutdown"))
+             if or_flags & flag]
+    names += ["joined"] if and_flags & FLAG_JOINED else []
+    return f"flags {'+'.join(names)}" if names else "no flags"
 
 
 def _cache_bits(pending: dict[str, Request], entries: dict) -> tuple[int, bool]:
@@ -124,6 +142,9 @@ class Coordinator:
         self._complete = complete
         self._alarm = alarm
         self._whereabouts = whereabouts
+        #: whether each cycle's negotiation is logged (HOROVOD_LOG_LEVEL=trace), looked up
+        #: once: the cheap phase runs every cycle
+        self._trace = log.isEnabledFor(TRACE)
         #: set when peers shut down while this rank still ran: what its pending and later ops
         #: raise
         self.stopped_by_peers: HorovodInternalError | None = None
@@ -156,6 +177,10 @@ class Coordinator:
         backend.negotiate(words, settings.peer_timeout_s, self._alarm)
         or_all, and_all, ready_bits = unpack_words(words)
         all_joined = bool(and_all & FLAG_JOINED)
+        if self._trace:
+            log.log(TRACE, "process set %d: cycle: sent %s and %d cache bit(s); agreed %s, "
+                    "%d cached name(s) ready", ps.id, _flags(or_flags, and_flags),
+                    bits.bit_count(), _flags(or_all, and_all), ready_bits.bit_count())
 
         plan, reqs = None, []
         if ready_bits and not all_joined:
@@ -171,6 +196,7 @@ class Coordinator:
             stop = self._full(ps, or_all, shutting_down, settings, names, sigs, reqs)
             if len(names) > known:
                 plan = Plan(names, sigs, settings.fusion_threshold)
+                _log_plan(ps.id, plan, "with names just agreed")
                 reqs = [reqs[i] for i in plan.order]
         if plan is not None:
             self._execution.run(ps, plan, reqs, timeline)
@@ -183,15 +209,21 @@ class Coordinator:
         are appended to ``names``, ``sigs`` and ``reqs``. True when the engine must stop."""
         backend, cache = ps.backend, ps.cache
         mine = [(name, req.signature) for name, req in ps.pending.items()]
-        gathered = backend.allgather_object((mine, ps.join_request is not None, shutting_down),
-                                            settings.peer_timeout_s, self._alarm)
-        joined = {r for r, g in enumerate(gathered) if g[1]}
-        agreement = match([g[0] for g in gathered], joined, ps.ranks)
+
+        def decide(gathered):
+            joined = {r for r, g in enumerate(gathered) if g[1]}
+            leaving = [ps.ranks[r] for r, g in enumerate(gathered) if g[2]]
+            return match([g[0] for g in gathered], joined, ps.ranks), leaving
+
+        agreement, leaving = backend.agree((mine, ps.join_request is not None, shutting_down),
+                                           decide, settings.peer_timeout_s, self._alarm)
         for name, sig in agreement.ready:
             req = ps.pending.pop(name, None)
             if req is not None and req.signature == sig:
                 sig = req.signature  # the interned one, so that later cycles compare identity
             cache.put(name, sig)
+            log.debug("process set %d: agreed %r: %s %s %s", ps.id, name, sig.kind, sig.dtype,
+                      list(sig.shape))
             names.append(name)
             sigs.append(sig)
             reqs.append(req)
@@ -206,7 +238,7 @@ class Coordinator:
                 self._stall(agreement.waiting, or_all, settings, backend.rank)
         if or_all & FLAG_SHUTDOWN:
             if not shutting_down:
-                ranks = ", ".join(str(ps.ranks[r]) for r, g in enumerate(gathered) if g[2])
+                ranks = ", ".join(map(str, leaving))
                 error = HorovodInternalError(
                     f"{SHUT_DOWN} Rank(s) {ranks} called shutdown while this rank still runs.")
                 error.culprit = (f"rank(s) {ranks} finished (hvd.shutdown or the end of the "
@@ -233,7 +265,7 @@ class Coordinator:
                              f"submit {', '.join(sorted(waiting)[:3])} for {limit:g} s")
             raise error
         if rank == 0:
-            print(f"[hpc_horovod] WARNING: {text}", file=sys.stderr, flush=True)
+            log.warning("%s", text)
 
     def _finish_join(self, ps: ProcessSetState, settings: Settings) -> None:
         """Step 4's end: every member joined."""

@@ -35,12 +35,12 @@ import os
 import pickle
 import queue
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint import atomic_write
 from .errors import HostsUpdatedInterrupt
+from .log import log
 
 #: exit status of a rank that asks its launcher for a restart (``EX_TEMPFAIL``: try again)
 RESTART_EXIT = 75
@@ -220,8 +220,8 @@ def _restart(rank: int, reason: str) -> None:
     from .basics import _exit_now
 
     write_record(rank, "restart", reason)
-    print(f"[hpc_horovod] rank {rank}: {reason}; exiting with status {RESTART_EXIT} for a "
-          "restart from the last commit", file=sys.stderr, flush=True)
+    log.warning("%s; exiting with status %d for a restart from the last commit", reason,
+                RESTART_EXIT)
     _exit_now(RESTART_EXIT)
 
 

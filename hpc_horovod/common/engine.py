@@ -24,6 +24,12 @@ backends, whether it asked or not, and its pending handles raise) or FAILED (an 
 past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, a peer's fatal error or a peer that stops
 answering ends the engine on every rank with a message that names who and why; every pending
 handle then raises it).
+
+Counters that several threads change (the threads inside :meth:`Engine.wait`, inside
+synchronous ops, ``patience``'s waiting threads) change under a lock of their own: ``+=`` is no
+atomic step even under the GIL, and one lost update would leave a count wrong for good. They
+are read without it. What changes only inside a cycle (cycle and join counts, cache
+generations, set ids) is guarded by the cycle lock, which one thread holds at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import collections
 import contextlib
 import enum
 import itertools
-import logging
 import os
 import threading
 import time
@@ -44,11 +49,11 @@ from .coordinator import Coordinator, ProcessSetState
 from .errors import SHUT_DOWN, HorovodInternalError
 from .execution import Execution
 from .interrupts import HeldSignals
+from .log import log
 from .patience import waiting_caller
 from .request import Request
 from .whereabouts import IDLE, Whereabouts
 
-log = logging.getLogger("hpc_horovod")
 #: the longest an idle engine waits between cycles (see Engine._loop)
 IDLE_MAX_S = 0.05
 #: how often a caller blocked in ``wait`` behind another thread's cycle looks whether that
@@ -143,14 +148,14 @@ class Engine:
         self.overlaps = overlaps()
         self._cond = threading.Condition()
         self._sleeping = False  # the engine waits on _cond: submitters must notify it
-        # Threads inside wait(): they run the cycles themselves, and the engine thread leaves
-        # the work to them until the last one goes (see _loop).
+        #: guards the counts of threads below (see the module's docstring)
+        self._count_lock = threading.Lock()
+        #: threads inside wait(): they run the cycles themselves, and the engine thread leaves
+        #: the work to them until the last one goes (see _loop)
         self._callers = 0
         self._local = threading.local()  # .depth: this thread is inside synchronous ops
         #: threads inside synchronous ops: what they submit, they run the cycles for themselves
-        #: (a count that a lost update would leave wrong for good: changed under a lock)
         self._synchronous_threads = 0
-        self._count_lock = threading.Lock()
         self._synchronous = _Synchronous(self)
         self._done = threading.Condition()  # notified when a stopping engine fails requests
         # Held for a whole cycle, by the engine thread or by a caller of wait(): cycles are
@@ -221,9 +226,6 @@ class Engine:
         state = self._sets.get(ps_id)
         return 0 if state is None else state.joins
 
-    def process_set_ids(self) -> list[int]:
-        return sorted(self._members)
-
     def enqueue(self, requests: list[Request]) -> list[int]:
         """Hand requests to the engine, all or none; returns their handles. Raises on duplicate
         names."""
@@ -283,7 +285,8 @@ class Engine:
         """A caller leaves wait(): the last one hands what is left on this rank (another
         thread's work, or what an error cut short) to the engine thread, unless it is inside
         a synchronous op, whose exit does that."""
-        self._callers -= 1
+        with self._count_lock:
+            self._callers -= 1
         if not self._callers and not getattr(self._local, "depth", 0) and self._left_over():
             self._wake()
 
@@ -322,7 +325,8 @@ class Engine:
         if req is None:
             raise ValueError(f"handle {handle} was not created or has been cleared")
         if not req.done:
-            self._callers += 1
+            with self._count_lock:
+                self._callers += 1
             try:
                 with waiting_caller:  # the rank has nothing else to run: waits keep the core
                     self._run_cycles_until(req)

@@ -125,6 +125,17 @@ class Plan:
         self.names = [names[i] for i in self.order]
         self.sigs = [sigs[i] for i in self.order]
 
+    def describe(self) -> str:
+        """The steps in one line, each its kind, its bytes (an allreduce's: its fusion
+        buffer's) and its tensors' names, in execution order: the debug log's view of the
+        plan."""
+        steps = []
+        for kind, _, start, stop, fused, nbytes in self.steps:
+            size = "size known when it runs" if nbytes < 0 else f"{nbytes} B"
+            what = f"{kind} fused ({size})" if fused is not None else f"{kind} ({size})"
+            steps.append(f"{what}: {', '.join(self.names[start:stop])}")
+        return "; ".join(steps)
+
 
 def _step_bytes(sigs: list[Signature]) -> int:
     """The bytes of a step's tensors (none for a control step or a barrier), or -1 when a

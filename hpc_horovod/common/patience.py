@@ -15,6 +15,7 @@ waits for its result, rather than sleeping on between its looks at the peers.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 #: How long a wait that keeps its core spins first (a peer a few microseconds away).
@@ -22,7 +23,10 @@ SPIN_S = 50e-6
 #: How long a wait that keeps its core yields before it sleeps after all.
 YIELD_S = 10e-3
 
-_waiting = 0  # threads inside waiting_caller (changed under the GIL)
+#: threads inside waiting_caller, changed under _count_lock (the policy of every counter
+#: several threads change: ``common/engine.py``'s docstring)
+_waiting = 0
+_count_lock = threading.Lock()
 
 
 class _Caller:
@@ -32,11 +36,13 @@ class _Caller:
 
     def __enter__(self) -> None:
         global _waiting
-        _waiting += 1
+        with _count_lock:
+            _waiting += 1
 
     def __exit__(self, *exc_info) -> None:
         global _waiting
-        _waiting -= 1
+        with _count_lock:
+            _waiting -= 1
 
 
 waiting_caller = _Caller()

@@ -68,12 +68,12 @@ import secrets
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 
+from .log import log
 from .whereabouts import Whereabouts, census_text, rank_list
 
 #: how long ``init`` waits for every rank to connect to rank 0
@@ -174,9 +174,9 @@ def make_room(connections: int) -> None:
     raised = max(required, soft + need)
     raised = raised if hard == infinite else min(hard, raised)
     resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-    print(f"[hpc_horovod] rank 0: raised its soft limit of open files (ulimit -n) from {soft} "
-          f"to {raised} (hard limit {'unlimited' if hard == infinite else hard}) for its "
-          f"{connections} connections to the other ranks", file=sys.stderr, flush=True)
+    log.warning("raised its soft limit of open files (ulimit -n) from %s to %s (hard limit "
+                "%s) for its %s connections to the other ranks", soft, raised,
+                "unlimited" if hard == infinite else hard, connections)
 
 
 def listen(size: int) -> tuple[socket.socket, str, list[str]]:

@@ -18,7 +18,7 @@ def test_defaults_are_horovods():
     assert s.stall_shutdown_time_s == 0.0  # 0 = never shut down on a stall
     assert s.dynamic_process_sets is False
     assert s.hierarchical_allreduce is True
-    assert s.log_level == "warning"
+    assert s.log_level == "warning" and s.log_hide_time is False
     assert s == Settings()
 
 
@@ -26,7 +26,8 @@ def test_empty_values_mean_the_default():
     env = {name: "" for name in (
         "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
         "HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS",
-        "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_TIMELINE_MARK_CYCLES")}
+        "HOROVOD_DYNAMIC_PROCESS_SETS", "HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_LOG_LEVEL",
+        "HOROVOD_LOG_HIDE_TIME")}
     assert Settings.from_env(env) == Settings()
 
 
@@ -44,12 +45,13 @@ def test_every_variable_is_read():
         "HOROVOD_DYNAMIC_PROCESS_SETS": "1",
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
         "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_LOG_HIDE_TIME": "1",
     })
     assert s == Settings(
         fusion_threshold=0, cycle_time_ms=2.5, cache_capacity=0, timeline="/tmp/tl.json",
         timeline_mark_cycles=True, stall_check=False, stall_check_time_s=5.0,
         stall_shutdown_time_s=30.0, peer_timeout_s=120.0, dynamic_process_sets=True,
-        hierarchical_allreduce=True, log_level="debug",
+        hierarchical_allreduce=True, log_level="debug", log_hide_time=True,
     )
 
 

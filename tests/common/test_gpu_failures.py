@@ -171,19 +171,20 @@ def test_a_normal_stop_lets_device_work_finish(nccl):
     assert not comm.aborted and comm.destroyed
 
 
-def test_abort_ends_the_hierarchical_node_communicator_too(nccl):
-    from hpc_horovod.backends.nccl import HierarchicalAllreduce
-
+def test_abort_ends_the_node_communicator_too_and_frees_the_fusion_buffers(nccl):
     comm, node_comm = StandInCommunicator(nccl), StandInCommunicator(nccl, fail_after=0)
     backend = nccl_backend(nccl, comm)
     local = nccl_backend(nccl, node_comm)
-    backend._hierarchy = HierarchicalAllreduce(local, cross_allreduce=None)
+    backend._levels = (local, None)  # the node levels (hierarchical allreduce, GPU Adasum)
+    for which in (backend, local):  # stand-in device buffers, as FusionBuffers keeps them
+        which.fusion._buffers[np.dtype(np.float32)] = np.zeros(4, np.float32)
     with pytest.raises(HorovodInternalError, match="rank 0 failed"):
         backend.check_async_error()  # the node communicator's error is the set's
     backend.abort()
     assert comm.aborted and node_comm.aborted
     assert backend._nccl_comm is None and local._nccl_comm is None
-    backend._hierarchy = None
+    assert not backend.fusion._buffers and not local.fusion._buffers  # no device memory kept
+    backend._levels = None
     backend.free()
     local.free()
 
@@ -222,7 +223,7 @@ def test_waiting_for_peers_watches_nccl_errors(nccl):
 HOST = np.zeros(4, np.float32)
 HOST_ONLY = [
     ("negotiate", lambda b: b.negotiate(np.zeros(2, np.uint64), 1.0)),
-    ("allgather_object", lambda b: b.allgather_object("name")),
+    ("agree", lambda b: b.agree("name", list)),
     ("allgather_ints", lambda b: b.allgather_ints(np.zeros(1, np.int64))),
     ("alltoall_ints", lambda b: b.alltoall_ints(np.zeros(1, np.int64))),
     ("barrier", lambda b: b.barrier()),

@@ -33,13 +33,14 @@ def test_tuning_flags_become_horovod_variables():
         "--cache-capacity", "512", "--hierarchical-allreduce", "--timeline-filename", "t.json",
         "--timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "30",
         "--stall-check-shutdown-time-seconds", "90", "--log-level", "debug",
-        "python", "train.py"])
+        "--log-without-timestamp", "python", "train.py"])
     assert horovodrun.horovod_env(args) == {
         "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "2.5",
         "HOROVOD_CACHE_CAPACITY": "512", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
         "HOROVOD_TIMELINE": "t.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
         "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90", "HOROVOD_LOG_LEVEL": "DEBUG"}
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90", "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_LOG_HIDE_TIME": "1"}
     assert args.command == ["python", "train.py"] and args.np == 4
     off = horovodrun.build_parser().parse_args(["-np", "1", "--disable-cache",
                                                 "--no-hierarchical-allreduce", "x"])
@@ -74,6 +75,22 @@ def test_flags_that_cannot_be_honoured_are_refused(argv, why, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"horovodrun: error: {argv[0]} is not supported: " in err and why in err
+
+
+@pytest.mark.parametrize("flag, hide", [("--log-hide-timestamp", "1"),
+                                        ("--log-without-timestamp", "1"),
+                                        ("--log-with-timestamp", "0")])
+def test_timestamp_flags_become_horovod_log_hide_time(flag, hide):
+    args = horovodrun.build_parser().parse_args(["-np", "2", flag, "python", "train.py"])
+    assert horovodrun.horovod_env(args) == {"HOROVOD_LOG_HIDE_TIME": hide}
+
+
+def test_an_unknown_log_level_stops_the_launch_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "verbose")
+    assert horovodrun.main(["-np", "2", "python", "train.py"]) == 2
+    assert capsys.readouterr().err == (
+        "horovodrun: error: HOROVOD_LOG_LEVEL='verbose' is not a log level: use one of trace, "
+        "debug, info, warning, error, fatal (in any case)\n")
 
 
 def test_np_is_required(capsys):

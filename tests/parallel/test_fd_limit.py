@@ -23,8 +23,8 @@ def test_rank_0_raises_a_soft_limit_too_low_for_its_connections(mpirun):
     low = int(re.search(r"rank 0: ulimit -n lowered to (\d+)", out).group(1))
     started = [r for r in range(NP) if f"rank {r}: started" in out]
     assert started == list(range(NP)), out
-    assert (f"[hpc_horovod] rank 0: raised its soft limit of open files (ulimit -n) from {low} "
-            f"to ") in out, out
+    assert re.search(r"hpc_horovod 0@\S+\] WARNING: raised its soft limit of open files "
+                     rf"\(ulimit -n\) from {low} to ", out), out
     assert f"for its {NP - 1} connections to the other ranks" in out, out
     assert f"rank 0: started, ulimit -n {low}\n" not in out, out
     assert proc.returncode != 0, out

@@ -65,7 +65,8 @@ def test_a_rank_frozen_inside_a_data_call_ends_the_job_naming_it(np_, op, tmp_pa
 def test_rank_0_frozen_inside_a_data_call_is_named_as_the_hub(tmp_path):
     """Rank 0 runs the census: rank 1 hears nothing from it, says so, and exits."""
     out, took = run_job(2, "allreduce", tmp_path, frozen=0)
-    assert ("rank 1: exiting, a collective did not complete: rank 0 did not answer within "
+    assert re.search(r"hpc_horovod 1@\S+\] ERROR: exiting, a collective", out), out
+    assert ("] ERROR: exiting, a collective did not complete: rank 0 did not answer within "
             "4 s (it is the hub of the census: stopped, or blocked outside Python); this "
             "rank (1) in allreduce 'frozen.op' (4.0 KiB, process set 0) for ") in out, out
     print(f"2 ranks, allreduce: the job ended {took:.1f} s after rank 0 froze")

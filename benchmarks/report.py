@@ -344,7 +344,7 @@ def projection_rows(result: dict, cache_capacity: int = 1024) -> list[list]:
             words = 2 + -(-min(names, cache_capacity) // 64)
             files = last["rank0_open_files"] + c["rank0_files_per_rank"] * (size - last["ranks"])
             rows.append([f"{size:,}", names, _bytes(int(size * payload)),
-                         _bytes(int(size * size * payload)),
+                         _bytes(int(2 * size * payload)),
                          _bytes(int(entries * c["held_bytes_per_entry"])),
                          fmt_time(entries * (c["unpickle_s_per_entry"] + c["match_s_per_entry"])),
                          f"{words} ({8 * words} B)", f"{files:,.0f}"])
@@ -402,16 +402,17 @@ def scaling_lines(result: dict) -> list[str]:
                         "constants, no projections.", ""]
     c = scaling_constants(result)
     py = sorted(result["python"], key=lambda r: (r["names"], r["ranks"]))
-    lines += ["What one rank does with the gathered lists in a full negotiation, measured in one "
+    lines += ["What rank 0 does with the gathered lists in a full negotiation, measured in one "
               "process at sizes one host cannot run: the bytes it receives (every rank's "
-              "pickled list), the bytes the whole job moves (every rank receives them), the "
-              "memory the unpickled lists hold (traced), the time to unpickle them and "
-              "`negotiation.match`'s (median of repetitions), and both per (rank, name) entry.",
-              ""]
-    lines += table(["ranks", "names", "received per rank", "moved by the job",
+              "pickled list), the bytes the whole job moves (those, and the decision, about "
+              "one list's bytes, broadcast to every rank), the memory the unpickled lists hold "
+              "(traced), the time to unpickle them and `negotiation.match`'s (median of "
+              "repetitions), and both per (rank, name) entry. The other ranks send one list "
+              "and receive one decision whatever the number of ranks.", ""]
+    lines += table(["ranks", "names", "received by rank 0", "moved by the job",
                     "held unpickled", "unpickle", "`match`", "per entry"], [
         [f"{r['ranks']:,}", r["names"], _bytes(r["ranks"] * r["bytes_per_rank"]),
-         _bytes(r["ranks"] ** 2 * r["bytes_per_rank"]), _bytes(r["unpickled_bytes"]),
+         _bytes(2 * r["ranks"] * r["bytes_per_rank"]), _bytes(r["unpickled_bytes"]),
          fmt_time(r["unpickle_s"]), fmt_time(r["match_s"]),
          f"{(r['unpickle_s'] + r['match_s']) / (r['ranks'] * r['names']) * 1e9:.0f} ns"]
         for r in py])
@@ -425,8 +426,8 @@ def scaling_lines(result: dict) -> list[str]:
               f"{c['first']['ranks']} to {c['last']['ranks']} ranks, on one host).", "",
               "Projected by those formulas (one full negotiation; the cheap phase with the "
               "names cached; rank 0's open files after `init`):", ""]
-    lines += table(["ranks", "names", "received per rank", "moved by the job",
-                    "held unpickled, per rank", "Python work, per rank", "cheap phase words",
+    lines += table(["ranks", "names", "received by rank 0", "moved by the job",
+                    "held unpickled, rank 0", "Python work, rank 0", "cheap phase words",
                     "rank 0 open files"], projection_rows(result))
     return lines
 

@@ -207,9 +207,10 @@ def test_scaling_constants_and_projections(tmp_path):
     assert ("50.0 pickled bytes per name and 100 per list; 150 bytes held per unpickled entry; "
             "100 ns to unpickle and 400 ns of `match` per entry (at 4,096 ranks); rank 0: 1.00 "
             "open files and 1 KiB resident per rank") in text
-    # 4,096 ranks x 200 names: 10,100 B per list, 4,096 lists received per rank (41.4 MB),
-    # 4,096 times that moved by the job (169 GB); 819,200 entries x 150 B held (123 MB), x 500 ns
-    # of Python; 2 + 200/64 rounded up = 6 words; rank 0's files: 84 + (4,096 - 64)
-    assert "| 4,096 | 200 | 41.4 MB | 169 GB | 123 MB | 409.60 ms | 6 (48 B) | 4,116 |" in text
+    # 4,096 ranks x 200 names: 10,100 B per list, 4,096 lists received by rank 0 (41.4 MB),
+    # twice that moved by the job (the decision, about one list, broadcast back: 82.7 MB);
+    # 819,200 entries x 150 B held (123 MB), x 500 ns of Python; 2 + 200/64 rounded up = 6
+    # words; rank 0's files: 84 + (4,096 - 64)
+    assert "| 4,096 | 200 | 41.4 MB | 82.7 MB | 123 MB | 409.60 ms | 6 (48 B) | 4,116 |" in text
     # 1,024 ranks x 20 names: 1,100 B per list
-    assert "| 1,024 | 20 | 1.13 MB | 1.15 GB | 3.07 MB | 10.24 ms | 3 (24 B) | 1,044 |" in text
+    assert "| 1,024 | 20 | 1.13 MB | 2.25 MB | 3.07 MB | 10.24 ms | 3 (24 B) | 1,044 |" in text

@@ -61,6 +61,11 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return plain(super().format_help())
 
+    def error(self, message: str):
+        """A refusal of the command line: the one line that says what is wrong, and where the
+        options are listed (argparse would print the whole usage block first)."""
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
 
 def _parser_for(parser: argparse.ArgumentParser, args: argparse.Namespace
                 ) -> argparse.ArgumentParser:
@@ -102,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extras = parser.parse_known_args(argv)
+    args.argv = argv  # what the user typed, so that a refusal names an option as it was written
     if extras:
         inner = _parser_for(parser, args)
         inner.error(unknown_options_message(inner, extras))

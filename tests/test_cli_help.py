@@ -26,3 +26,15 @@ def test_no_backticks_in_help(name, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: hpc-horovod {name}") and "`" not in out, out
     assert "`" not in parser.format_help()
+
+
+def test_a_command_line_error_is_one_line_and_a_pointer_to_help(capsys):
+    from hpc_horovod.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    err = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and not any(line.startswith("usage:") for line in err), err
+    assert err[0].startswith("hpc-horovod: error: argument COMMAND: invalid choice: "
+                             "'no-such-command'"), err
+    assert err[1:] == ["(hpc-horovod --help lists the options)"], err

@@ -25,6 +25,7 @@ from .gpu_probe import cuda_built, nccl_built  # noqa: F401 - part of the API
 from .log import configure as configure_log
 from .log import log
 from .request import Request, control_signature
+from .streams import line_buffered
 from .timeline import Timeline
 
 
@@ -276,7 +277,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | None = None) -> None:
         importlib.import_module("hpc_horovod.slurm.requeue").catch_early_signal()
     _runtime = Runtime(comm, process_sets or ())
     importlib.import_module("hpc_horovod.slurm.preflight").warn_threads(_runtime.topology)
-    importlib.import_module("hpc_horovod.streams").line_buffered(_runtime.topology.launcher)
+    line_buffered(_runtime.topology.launcher)
     _install_hooks()
 
 

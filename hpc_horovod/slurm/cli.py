@@ -6,6 +6,8 @@ The options are sbatch's own, long and short, with sbatch's meanings (``-N``, ``
 and the others of :data:`~hpc_horovod.slurm.options.PASSTHROUGH` (``--mem``, ``--exclusive``,
 ``--array``, ...) go into the script as given, so a line of a job script a user already has
 works here. sbatch options that contradict one task per GPU are refused, naming the one to use.
+Each refusal is one line that names the option as the user typed it (``-G 8``, not
+``--gpus 8``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 from . import doctor, live, options, validate
 from .profiles import load_profiles
 from .render import render_job
-from .submit import sbatch
+from .submit import output_directories, sbatch
 
 SBATCH_EXAMPLE = """\
 examples:
@@ -56,6 +59,10 @@ def job_command(command: list[str], workdir: Path, modules: bool) -> tuple[list[
         raise ValueError(f"{program}: no such file in {workdir} (where the job runs)")
     if "/" in command[0] and _PYTHON.fullmatch(Path(command[0]).name):
         script = _python_script(command[1:])
+        if script == "":
+            raise ValueError(f"{shlex.join([program, *command[1:]])} runs no script: Python would "
+                             "read its program from the job's input, which is empty (give "
+                             "it: -- python train.py ARGS, or -m MODULE)")
         if script is not None and not (workdir / script).is_file():
             raise ValueError(f"{script}: no such file in {workdir}, where the job runs "
                              "(submit from the script's directory, or give -D/--chdir)")
@@ -63,19 +70,55 @@ def job_command(command: list[str], workdir: Path, modules: bool) -> tuple[list[
 
 
 def _python_script(args: list[str]) -> str | None:
-    """The script a Python command line runs, or None for ``-m``, ``-c`` and stdin."""
+    """The script a Python command line runs, None for ``-m`` and ``-c``, and ``""`` when it
+    names none (Python then reads its program from stdin: ``python``, ``python -u -``)."""
     words = iter(args)
     for word in words:
-        if word in ("-m", "-c", "-") or word.startswith(("-m", "-c")):
+        if word == "-":
+            return ""
+        if word in ("-m", "-c") or word.startswith(("-m", "-c")):
             return None
         if word in _PYTHON_VALUE_OPTIONS:
             next(words, None)
         elif not word.startswith("-"):
             return word
-    return None
+    return ""
 
 
-def _sbatch(args) -> int:
+#: a command-line flag in a message (``--gpus``, not the ``--gpus`` of ``--gpus-per-node``)
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*(?![\w-])")
+
+
+def as_typed(message: str, argv: list[str], parser: argparse.ArgumentParser) -> str:
+    """``message``, whose flags are named by their long spelling (``--gpus 8 ...``), with each
+    flag the user typed otherwise named as typed (``-G 8 ...``), so that a refusal names what
+    the user wrote."""
+    typed = {}
+    for word in argv:
+        if word == "--":
+            break
+        if not word.startswith("-") or word == "-":
+            continue
+        flag = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+        action = parser._option_string_actions.get(flag)
+        if action is not None:
+            long = next((o for o in action.option_strings if o.startswith("--")), flag)
+            if long != flag:
+                typed[long] = flag
+    return _FLAG.sub(lambda m: typed.get(m.group(0), m.group(0)), message)
+
+
+def _sbatch(args, parser: argparse.ArgumentParser) -> int:
+    try:
+        return _write_job(args)
+    except ValueError as exc:
+        words = list(getattr(args, "argv", ()))
+        if args.job_command:
+            words = words[:len(words) - len(args.job_command)]
+        raise ValueError(as_typed(str(exc), words, parser)) from None
+
+
+def _write_job(args) -> int:
     for flag in options.REFUSED:
         if getattr(args, "refused_" + flag[2:].replace("-", "_"), None) is not None:
             raise ValueError(f"{flag}: {options.REFUSED[flag]}")
@@ -118,6 +161,11 @@ def _sbatch(args) -> int:
     )
     if note:
         print(f"hpc-horovod sbatch: {note}", file=sys.stderr)
+    if path is not None or args.submit:
+        for made in output_directories((("--output", args.output), ("--error", extra["error"])),
+                                       workdir):
+            print(f"hpc-horovod sbatch: made {made} for the job's output (SLURM makes no "
+                  "directory)", file=sys.stderr)
     if path is not None:
         path.write_text(script, encoding="utf-8")
         job_id = sbatch(path=path) if args.submit else None
@@ -162,21 +210,23 @@ def register(sub) -> None:
                            "on CPU partitions)")
     p.add_argument("-c", "--cpus-per-task", type=int, help="CPUs per task (default: the "
                    "profile's)")
-    p.add_argument("-t", "--time", help=f"time limit: {validate.TIME_FORMATS} (default: the "
-                   "profile's)")
+    p.add_argument("-t", "--time", help=f"time limit: {validate.TIME_FORMATS}; 0 is no limit, "
+                   "as in sbatch (default: the profile's)")
     p.add_argument("-A", "--account", help="account to charge (Jean Zay: abc or abc@v100)")
     p.add_argument("-q", "--qos", help="QoS (default: the node type's, or the next longer one)")
     p.add_argument("-p", "--partition", help="partition (default: the profile's)")
     p.add_argument("-C", "--constraint", help="node features, e.g. a100 or h100 on Jean Zay")
     p.add_argument("-J", "--job-name", default="hpc-horovod", help="job name")
     p.add_argument("-o", "--output", default="%x-%j.out",
-                   help="the job's output file pattern (default %%x-%%j.out)")
+                   help="the job's output file pattern (default %%x-%%j.out); its directory is "
+                        "made with the script, since SLURM makes none")
     p.add_argument("--open-mode", choices=("append", "truncate"),
                    help="output file mode (default: append with --requeue, else SLURM's)")
     p.add_argument("--requeue", action="store_true",
                    help="requeue-able job, with SIGUSR2 before the limit (requeue_on_signal)")
-    p.add_argument("--signal", metavar="USR2@SECONDS",
-                   help="send SIGUSR2 to every task this long before the time limit")
+    p.add_argument("--signal", metavar="[B:]USR2@SECONDS",
+                   help="send SIGUSR2 to every task this long before the time limit (with or "
+                        "without B:, every task gets it)")
     p.add_argument("--modules", help="comma-separated modules to load (default: the profile's; "
                    "'' for none)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -198,7 +248,7 @@ def register(sub) -> None:
                              help=options.REFUSED[flag].replace("%", "%%"))
     p.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the command every task runs")
-    p.set_defaults(func=_sbatch)
+    p.set_defaults(func=lambda args: _sbatch(args, p))
 
     d = sub.add_parser("doctor", help="how this launch sees ranks, nodes and GPUs (run it as "
                        "`srun hpc-horovod doctor`)", description=doctor.__doc__,

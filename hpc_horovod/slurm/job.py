@@ -74,61 +74,82 @@ def _where(node: NodeClass) -> str:
     return f"{node.kind} {node.name}" if node.name else "the default partition"
 
 
-def _layout(node: NodeClass, gpus: int | None, tasks: int | None, profile: ClusterProfile
-            ) -> tuple[int, int]:
+def _gpus_asked(gpus: int | None, gpus_per_node: int | None) -> str | None:
+    """The GPU option as the user gave it (``--gpus 8``), for the refusals to name."""
+    if gpus is not None:
+        return f"--gpus {gpus}"
+    return None if gpus_per_node is None else f"--gpus-per-node {gpus_per_node}"
+
+
+def _layout(node: NodeClass, nodes: int, gpus: int | None, gpus_per_node: int | None,
+            tasks: int | None, profile: ClusterProfile) -> tuple[int, int]:
     """GPUs and tasks per node: one task per GPU, or ``tasks`` on a CPU job.
 
-    Without ``gpus``, a GPU node type gets all its GPUs (or one per asked task), any other a
-    CPU job.
+    ``gpus`` (for the whole job, sbatch's ``-G``) or ``gpus_per_node``; without either, a GPU
+    node type gets all its GPUs (or one per asked task), a GPU partition whose count the
+    profile does not know asks for one, any other node a CPU job. Each refusal names the
+    option the user gave.
     """
+    asked = _gpus_asked(gpus, gpus_per_node)
     if tasks is not None:
         validate.positive(tasks, "--ntasks-per-node")
-    if gpus is None:
+    if gpus is not None:
+        validate.positive(gpus, "--gpus")
+        if gpus_per_node is not None:
+            raise ValueError(f"--gpus {gpus} (for the whole job) and --gpus-per-node "
+                             f"{gpus_per_node}: give one of the two")
+    elif gpus_per_node is not None:
+        validate.positive(gpus_per_node, "--gpus-per-node", minimum=0)
+    if (gpus or gpus_per_node) and node.gpus_per_node == 0:
+        raise ValueError(f"{_where(node)} of cluster {profile.name} has no GPUs: leave "
+                         f"{asked} out (a CPU job: --ntasks-per-node N), or pick a GPU "
+                         "partition")
+    if gpus is not None:
+        if gpus % nodes:
+            raise ValueError(f"{asked} (GPUs for the whole job, as in sbatch) does not split "
+                             f"evenly over --nodes {nodes}: every node runs one task per GPU "
+                             f"(ask --gpus {max(gpus // nodes, 1) * nodes}, or --gpus-per-node "
+                             "N)")
+        per_node = gpus // nodes
+        if node.gpus_per_node is not None and per_node > node.gpus_per_node:
+            need = -(-gpus // node.gpus_per_node)
+            hint = (f"ask --nodes {need}" if gpus % need == 0 else
+                    f"ask a multiple of {node.gpus_per_node} GPUs over more --nodes")
+            raise ValueError(f"{asked} on {nodes} node(s) is {per_node} GPUs per node, but "
+                             f"{_where(node)} has {node.gpus_per_node}: {hint}")
+    elif gpus_per_node is not None:
+        per_node = gpus_per_node
+    else:
         if node.gpus_per_node and tasks is not None and tasks > node.gpus_per_node:
             raise ValueError(f"--ntasks-per-node {tasks} on {_where(node)}, which has "
                              f"{node.gpus_per_node} GPUs per node: a GPU job runs one task per "
                              f"GPU; use --ntasks-per-node {node.gpus_per_node} (or leave it out) "
                              "and more --nodes")
-        gpus = (node.gpus_per_node or 0) if tasks is None else min(tasks,
-                                                                   node.gpus_per_node or 0)
-    validate.positive(gpus, "--gpus-per-node", minimum=0)
-    if gpus == 0:
+        if node.gpus_per_node is None and node.has_gpus:
+            raise ValueError(f"{_where(node)} of cluster {profile.name} has GPUs, a number per "
+                             "node the profile does not know: ask --gpus-per-node N (GPUs and "
+                             "tasks per node) or --gpus N (for the whole job)")
+        per_node = (node.gpus_per_node or 0) if tasks is None else min(tasks,
+                                                                       node.gpus_per_node or 0)
+    if per_node == 0:
         if node.gpus_per_node:
-            raise ValueError(f"{_where(node)} of cluster {profile.name} is a GPU "
-                             f"{node.kind} ({node.gpus_per_node} per node): ask "
+            raise ValueError(f"{asked or 'no GPU'}: {_where(node)} of cluster {profile.name} "
+                             f"is a GPU {node.kind} ({node.gpus_per_node} per node): ask "
                              f"--gpus-per-node 1 to {node.gpus_per_node}, or pick a CPU "
                              f"{node.kind}")
         return 0, 1 if tasks is None else tasks
-    if node.gpus_per_node == 0:
-        raise ValueError(f"{_where(node)} of cluster {profile.name} has no GPUs: leave "
-                         f"--gpus-per-node {gpus} out (a CPU job: --ntasks-per-node N), or pick "
-                         "a GPU partition")
-    if node.gpus_per_node is not None and gpus > node.gpus_per_node:
+    if node.gpus_per_node is not None and per_node > node.gpus_per_node:
         bigger = [n.name for n in (*profile.partitions.values(), *profile.constraints.values())
-                  if n.gpus_per_node and n.gpus_per_node >= gpus]
+                  if n.gpus_per_node and n.gpus_per_node >= per_node]
         hint = f", or a {' / '.join(bigger)} node" if bigger else ""
         raise ValueError(f"{_where(node)} has {node.gpus_per_node} GPUs per node, "
-                         f"--gpus-per-node {gpus} asks for more: use --gpus-per-node "
+                         f"{asked} asks for more: use --gpus-per-node "
                          f"{node.gpus_per_node} and more --nodes{hint}")
-    if tasks is not None and tasks != gpus:
-        raise ValueError(f"--ntasks-per-node {tasks} with --gpus-per-node {gpus}: a GPU job runs "
-                         "one task per GPU; give one of the two")
-    return gpus, gpus
-
-
-def _gpus_per_node(nodes: int, gpus: int | None, gpus_per_node: int | None) -> int | None:
-    """``--gpus-per-node`` from sbatch's ``-G/--gpus`` (GPUs for the whole job)."""
-    if gpus is None:
-        return gpus_per_node
-    validate.positive(gpus, "--gpus")
-    if gpus_per_node is not None:
-        raise ValueError(f"--gpus {gpus} (for the whole job) and --gpus-per-node "
-                         f"{gpus_per_node}: give one of the two")
-    if gpus % nodes:
-        raise ValueError(f"--gpus {gpus} (GPUs for the whole job, as in sbatch) does not split "
-                         f"evenly over --nodes {nodes}: every node runs one task per GPU (ask "
-                         f"--gpus {max(gpus // nodes, 1) * nodes}, or --gpus-per-node N)")
-    return gpus // nodes
+    if tasks is not None and tasks != per_node:
+        raise ValueError(f"--ntasks-per-node {tasks} with {asked}"
+                         + (f" ({per_node} per node)" if gpus is not None else "")
+                         + ": a GPU job runs one task per GPU; give one of the two")
+    return per_node, per_node
 
 
 def _tasks_per_node(nodes: int, ntasks: int | None, ntasks_per_node: int | None) -> int | None:
@@ -247,7 +268,8 @@ def plan_job(
     if min_nodes is not None and not 1 <= min_nodes <= nodes:
         raise ValueError(f"--min-nodes {min_nodes}: between 1 and --nodes {nodes}")
     node, partition, constraint = profile.select(partition, constraint)
-    gpus, tasks = _layout(node, _gpus_per_node(nodes, gpus, gpus_per_node),
+    gpus_asked = _gpus_asked(gpus, gpus_per_node)
+    gpus, tasks = _layout(node, nodes, gpus, gpus_per_node,
                           _tasks_per_node(nodes, ntasks, ntasks_per_node), profile)
     seconds = profile.default_time if time is None else validate.parse_time(time)
     if node.max_time is not None and seconds > node.max_time:
@@ -279,7 +301,8 @@ def plan_job(
                          f"CPUs per node, but {_where(node)} of cluster {profile.name} has "
                          f"{node.cpus_per_node}: fewer tasks or CPUs per node, and more --nodes")
     if live is not None:
-        live_cluster.check(live, partition, constraint, gpus, tasks, cpus, seconds)
+        live_cluster.check(live, partition, constraint, gpus, tasks, cpus, seconds,
+                           gpus_asked)
     if open_mode not in (None, "append", "truncate"):
         raise ValueError(f"--open-mode {open_mode!r}: append or truncate")
     job_modules = profile.default_modules if modules is None else validate.modules(modules)

@@ -101,15 +101,21 @@ def query(env: Mapping[str, str] | None = None) -> LiveCluster | None:
               "against its cluster profile only", file=sys.stderr)
         return None
     if proc.returncode != 0 or not proc.stdout.strip():
-        print(f"hpc_horovod: sinfo failed ({proc.stderr.strip() or 'no partitions'}): the job "
-              "is checked against its cluster profile only", file=sys.stderr)
+        # sinfo's last line says why (a machine with no cluster: "fatal: Could not establish a
+        # configuration source", after lines of DNS lookups that add nothing)
+        lines = proc.stderr.strip().splitlines()
+        why = lines[-1].removeprefix("sinfo: ") if lines else "no partitions"
+        print(f"hpc_horovod: sinfo found no cluster here ({why}): the job is checked against "
+              "its cluster profile only", file=sys.stderr)
         return None
     return parse_sinfo(proc.stdout)
 
 
 def check(live: LiveCluster, partition: str | None, constraint: str | None,
-          gpus_per_node: int, tasks_per_node: int, cpus_per_task: int, seconds: float) -> None:
-    """Refuse, naming what the cluster has, a job this cluster cannot run."""
+          gpus_per_node: int, tasks_per_node: int, cpus_per_task: int, seconds: float,
+          gpus_asked: str | None = None) -> None:
+    """Refuse, naming what the cluster has, a job this cluster cannot run; ``gpus_asked`` is
+    the GPU option as the user gave it (``--gpus 2``), which a refusal names."""
     where = "on this cluster (sinfo)"
     if partition is None:
         if constraint is not None or live.default is None:
@@ -123,7 +129,10 @@ def check(live: LiveCluster, partition: str | None, constraint: str | None,
         raise ValueError(f"--constraint {constraint}: no node of partition {partition} has "
                          f"that feature {where}; its features: {', '.join(sorted(part.features))}")
     if gpus_per_node > part.gpus_per_node:
-        raise ValueError(f"--gpus-per-node {gpus_per_node}: the nodes of partition {partition} "
+        asked = gpus_asked or f"--gpus-per-node {gpus_per_node}"
+        per_node = "" if asked.startswith("--gpus-per-node") else \
+            f" ({gpus_per_node} per node)"
+        raise ValueError(f"{asked}{per_node}: the nodes of partition {partition} "
                          f"have {part.gpus_per_node} GPU(s) {where}"
                          + (f"; ask at most {part.gpus_per_node} and more --nodes"
                             if part.gpus_per_node else "; leave GPUs out (a CPU job)"))

@@ -214,7 +214,8 @@ def thread_warning(env: Mapping[str, str], topo: topology_mod.Topology) -> str |
     cpus = allocated_cpus(env, topo) or max(1, affinity // local)
     return (f"[hpc_horovod] warning: {excess}: the threads slow each other down; one thread per "
             f"allocated CPU, as the generated job scripts do: export OMP_NUM_THREADS={cpus} "
-            f"(or torch.set_num_threads({cpus})); hpc-horovod doctor shows every rank's")
+            f"(or torch.set_num_threads({cpus})); srun hpc-horovod doctor shows every rank's "
+            "threads against its CPUs")
 
 
 def warn_threads(topo: topology_mod.Topology, env: Mapping[str, str] | None = None) -> None:

@@ -18,6 +18,9 @@ built-in cluster is merged onto it, and ``based_on = "NAME"`` starts a new clust
     cpus_per_task = 8
     cpus_per_node = 32
     max_time = "48:00:00"
+
+A partition whose nodes have GPUs in numbers that vary says ``has_gpus = true`` instead of
+``gpus_per_node``: a job there must say how many it wants (``--gpus-per-node N`` or ``-G N``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class NodeClass:
     """A partition or a node constraint: the nodes a job lands on.
 
     ``gpus_per_node`` is ``None`` when unknown (not checked) and 0 on CPU-only nodes.
+    ``has_gpus`` marks nodes with GPUs whose number the profile does not know (Oscar's
+    ``gpu`` partition mixes node models): a job there must say how many it wants.
     """
 
     name: str | None
@@ -55,6 +60,7 @@ class NodeClass:
     description: str = ""
     #: CPUs of one node, when the profile knows them (tasks x CPUs per task is checked)
     cpus_per_node: int | None = None
+    has_gpus: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,9 @@ def _seconds(value, where: str) -> int:
 
 
 def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: str) -> NodeClass:
-    unknown = set(data) - {"gpus_per_node", "cpus_per_task", "cpus_per_node", "max_time", "qos",
-                           "default_qos", "account_suffix", "modules", "description"}
+    unknown = set(data) - {"gpus_per_node", "has_gpus", "cpus_per_task", "cpus_per_node",
+                           "max_time", "qos", "default_qos", "account_suffix", "modules",
+                           "description"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     gpus = data.get("gpus_per_node")
@@ -160,6 +167,7 @@ def _node_class(name: str, kind: str, data: Mapping, defaults: Mapping, where: s
         description=data.get("description", ""),
         cpus_per_node=(int(data["cpus_per_node"]) if "cpus_per_node" in data
                        else defaults.get("cpus_per_node")),
+        has_gpus=bool(data.get("has_gpus", bool(gpus))),
     )
 
 

@@ -33,7 +33,7 @@ from . import live, validate
 from . import options as sbatch_flags
 from .job import plan_job
 from .render import render_plan
-from .submit import sbatch
+from .submit import output_directories, sbatch
 
 #: states after which a job runs no more (``scontrol show job``'s JobState)
 FINISHED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -82,6 +82,12 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job({self.job_id!r}, {self.size} task(s), folder={str(self.folder)!r})"
+
+    @property
+    def id(self) -> str:
+        """The job's id (``"123"``, ``"123_4"`` for an array element): ``job_id`` by SLURM's
+        shorter name."""
+        return self.job_id
 
     def save(self) -> None:
         """Write what :meth:`load` needs into the job's folder."""
@@ -416,6 +422,10 @@ def _submit(fn: Callable, calls: Sequence[Sequence], kwargs: Mapping[str, Any] |
             signal_seconds=None if signal is None else validate.signal_seconds(signal),
             output=out, open_mode=open_mode, template=template, profile_env=profile_env,
             sbatch=sbatch_options, live=live.query())
+        # the job's folder holds the default output; a given one, or -e, may need a directory
+        output_directories((("--output", None if output is None else out),
+                            ("--error", sbatch_options.get("error"))),
+                           Path(sbatch_options.get("chdir") or ".").expanduser().absolute())
     except ValueError as exc:
         raise ValueError(sbatch_flags.python_spelling(str(exc))) from None
     folder.mkdir(parents=True)

@@ -1,7 +1,9 @@
 """Stop cleanly before the time limit, save, and requeue the job so that it resumes.
 
 A job script with ``#SBATCH --signal=USR2@300`` (no ``B:``, so every task gets it) and
-``#SBATCH --requeue`` gets SIGUSR2 five minutes before its end. ``requeue_on_signal`` installs a
+``#SBATCH --requeue`` gets SIGUSR2 five minutes before its end; the shell of a script that
+``hpc-horovod sbatch`` writes passes on to the tasks a SIGUSR2 sent to it alone (``B:``,
+``scancel --batch`` or ``--full``). ``requeue_on_signal`` installs a
 handler that only sets a flag; the training loop asks ``should_stop()`` at each step boundary,
 the ranks agree through an allreduce of their flags (a rank may get the signal a little later
 than another), so every rank stops at the same step. Rank 0 then saves the checkpoint and runs

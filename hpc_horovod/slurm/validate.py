@@ -39,7 +39,8 @@ TOKEN_ALPHABET = "letters, digits and . _ + - (not starting with a symbol)"
 def parse_time(text: str) -> float:
     """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``;
     minutes and hours of the leading field unbounded) -> seconds; ``UNLIMITED`` (or SLURM's
-    other spelling, ``INFINITE``) -> ``math.inf``, which every finite limit refuses."""
+    other spelling, ``INFINITE``) and ``0`` (sbatch's no time limit) -> ``math.inf``, which
+    every finite limit refuses."""
     if str(text).strip().upper() in UNLIMITED:
         return math.inf
     match = _TIME.fullmatch(str(text).strip())
@@ -53,10 +54,7 @@ def parse_time(text: str) -> float:
     minutes = g.get("day_minutes", g.get("hour_minutes", g.get("minutes", 0)))
     seconds = g.get("day_seconds", g.get("hour_seconds", g.get("minute_seconds", 0)))
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total == 0:
-        raise ValueError(f"--time {text!r} is empty: a job needs a positive time limit "
-                         f"({TIME_FORMATS})")
-    return total
+    return math.inf if total == 0 else total  # sbatch: a time limit of 0 is no time limit
 
 
 def format_time(seconds: float) -> str:
@@ -144,14 +142,13 @@ _SIGNAL = re.compile(r"(?:(?P<batch>B):)?(?:SIG)?(?P<name>[A-Z0-9]+)(?:@(?P<seco
 
 def signal_seconds(value: str) -> int:
     """SLURM's ``--signal=[B:]SIG[@TIME]`` -> the seconds before the limit, for SIGUSR2 (the
-    signal :func:`~hpc_horovod.slurm.requeue_on_signal` handles) sent to every task."""
+    signal :func:`~hpc_horovod.slurm.requeue_on_signal` handles). With or without ``B:`` every
+    task gets it: the job script's shell passes on a signal sent to it alone, so the script
+    asks SLURM for the direct form."""
     match = _SIGNAL.fullmatch(str(value).strip().upper())
     if match is None or match.group("name") not in ("USR2", "12"):
         raise ValueError(f"--signal {value!r}: write USR2@SECONDS (e.g. USR2@300), the signal "
                          "hpc_horovod.slurm.requeue_on_signal handles")
-    if match.group("batch"):
-        raise ValueError(f"--signal {value!r}: B: sends the signal to the batch shell only; "
-                         "every task must get it: write USR2@SECONDS")
     return int(match.group("seconds") or 60)  # SLURM's default: 60 s before the limit
 
 

@@ -277,7 +277,7 @@ def test_gpus_means_what_sbatch_means(slurm, tmp_path):
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["-p", "gpu"], "--partition gpu: no such partition on this cluster (sinfo); it has debug"),
+    (["-p", "gpu"], "-p gpu: no such partition on this cluster (sinfo); it has debug"),
     (["--ntasks-per-node", "64"], "64 CPUs per node, but the nodes of partition debug have 4"),
     (["--gpus-per-node", "3"], "--gpus-per-node 3: the nodes of partition debug have 2 GPU(s)"),
 ])

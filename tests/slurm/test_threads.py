@@ -59,6 +59,8 @@ def test_init_warns_once_when_torch_has_more_threads_than_cpus(slurm):
                      r" for the 2 CPU\(s\) SLURM allocated on it|2 threads per rank \(torch.get_"
                      r"num_threads\(\)\) for the 1 CPU\(s\) it may run on", warnings[0]), warnings
     assert "export OMP_NUM_THREADS=1 (or torch.set_num_threads(1))" in warnings[0], warnings
+    assert warnings[0].endswith("srun hpc-horovod doctor shows every rank's threads against its "
+                                "CPUs"), warnings  # a whole sentence
 
     fits = _srun(slurm, "-c", "1", *PYTHON, "-c", INIT, "1")
     assert fits.returncode == 0, fits.stdout + fits.stderr

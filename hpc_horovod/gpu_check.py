@@ -405,7 +405,7 @@ def multi_rank_note(nccl_code: int, gpus: int) -> str:
         return f"{gpus} GPUs: run it with one rank per GPU to test the multi-rank paths."
     version = ".".join(map(str, nccl_version_tuple(nccl_code))) if nccl_code else "none"
     if nccl_code and nccl_version_tuple(nccl_code) >= (2, 30, 0):
-        return (f"one GPU, NCCL {version}: several ranks may share it with "
+        return (f"one GPU, NCCL {version}: two ranks (at most) may share it with "
                 "NCCL_MULTI_RANK_GPU_ENABLE=1 (bandwidth then means little).")
     return (f"one GPU, NCCL {version}: NCCL refuses two ranks on one GPU (before 2.30), so "
             "only one rank runs here; the multi-rank paths need two GPUs or more.")

@@ -4,9 +4,10 @@
 ``single`` for a process alone (no MPI loaded); for host memory ``hierarchical`` (the node's ranks
 through a shared window, MPI across nodes: ``HOROVOD_HIERARCHICAL_ALLREDUCE``, on by default) or
 plain ``mpi`` (with that variable at 0, or one rank per node); and, when CuPy, NCCL and a GPU for
-this rank exist, ``nccl`` for device buffers, put together with the host backend in one
-:class:`~.routed.RoutedBackend` that routes each call by where its buffer lives. Process sets get
-backends of the same kinds through ``Backend.sub``.
+this rank exist, ``nccl`` for device buffers (one flat NCCL communicator over every rank, across
+nodes too, unless ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` is set explicitly), put together with the
+host backend in one :class:`~.routed.RoutedBackend` that routes each call by where its buffer
+lives. Process sets get backends of the same kinds through ``Backend.sub``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from ..common import topology as topology_mod
-from ..common.config import Settings
+from ..common.config import Settings, _flag
 from ..common.errors import MpiWiringError, TopologyError
 from ..common.negotiation import words_for
 from .base import Backend
@@ -47,7 +48,7 @@ def compose(topo: topology_mod.Topology, settings: Settings, comm=None) -> Compo
         return Composition(topo, SingleBackend(), "single", None)
     topo, backend, mpi_comm, threads = _mpi_backend(topo, comm, settings)
     device_comm = mpi_comm.Dup()  # the device backend's own: each backend frees its own
-    nccl = _nccl_backend(topo, device_comm, settings)
+    nccl = _nccl_backend(topo, device_comm)
     if nccl is not None:
         from .routed import RoutedBackend
 
@@ -152,13 +153,19 @@ def _check_srun_plugin(topo) -> None:
                              f"{topo.launcher} launch: {problem}")
 
 
-def _nccl_backend(topo, mpi_comm, settings: Settings):
-    """NCCL for GPU buffers when every rank has CuPy, NCCL and a GPU of its own; else None
-    (GPU tensors then travel through host memory over MPI, said once by rank 0). Collective:
-    NCCL needs every rank, so the ranks decide together, and whether two ranks of a node would
-    share a GPU is known only by comparing their GPUs (``gpu_layout.shared_gpus``)."""
-    import socket
+def _nccl_backend(topo, mpi_comm):
+    """NCCL for GPU buffers when every rank has CuPy, NCCL, a CuPy that compiles kernels and a
+    GPU of its own; else None (GPU tensors then travel through host memory over MPI, said once
+    by rank 0). Collective: NCCL needs every rank, so the ranks decide together, in one
+    allgather, and whether two ranks of a node would share a GPU is known only by comparing
+    their GPUs (``gpu_layout.shared_gpus``, keyed by the topology's node index).
 
+    Rank 0's environment decides what must be the same everywhere: sharing a GPU
+    (``NCCL_MULTI_RANK_GPU_ENABLE=1``, then set on every rank, since NCCL reads it on each)
+    and the hierarchical allreduce of device buffers, which only an explicit
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` in the environment turns on (:func:`device_hierarchy`):
+    its default suits host buffers, and device buffers cross nodes faster over one flat NCCL
+    communicator."""
     from ..common import gpu_layout, gpu_probe
 
     count = 0
@@ -174,24 +181,44 @@ def _nccl_backend(topo, mpi_comm, settings: Settings):
         if choice == gpu_probe.NCCL:
             device = gpu_layout.select_gpu(topo.local_rank, topo.local_size, os.environ,
                                            count, exclusive=False)
-            bus_id = gpu_layout.device_bus_id(device)
-    ranks = mpi_comm.allgather((socket.gethostname(), bus_id, count, warning))
-    entries = [(host, bus) for host, bus, _, _ in ranks]
+            # Average, scaling, packing and widening run CuPy kernels: a CuPy that cannot
+            # compile them would fail at the first device collective.
+            warning = gpu_probe.kernel_problem(device)
+            if warning is None:
+                bus_id = gpu_layout.device_bus_id(device)
+    mine = (topo.cross_rank, bus_id, count, warning,
+            gpu_layout.multi_rank_flag(os.environ), device_hierarchy(os.environ))
+    ranks = mpi_comm.allgather(mine)
+    entries = [(node, bus) for node, bus, *_ in ranks]
+    sharing, hierarchical = ranks[0][4], ranks[0][5]
     if all(bus is not None for _, bus in entries):
         shared = gpu_layout.shared_gpus(entries)
-        if not shared or gpu_layout.multi_rank_gpu_allowed(gpu_probe.nccl_built(), os.environ):
+        per_gpu = max(map(len, shared), default=1)
+        flag = {"NCCL_MULTI_RANK_GPU_ENABLE": "1" if sharing else ""}
+        if gpu_layout.sharing_allowed(per_gpu, gpu_probe.nccl_built(), flag):
             from .nccl import NcclBackend
 
-            node = topo.cross_rank if settings.hierarchical_allreduce else None
-            return NcclBackend(mpi_comm, device, node_id=node)
+            if shared:
+                os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+            return NcclBackend(mpi_comm, device, node_id=topo.cross_rank,
+                               hierarchical=hierarchical)
         why = (f"{gpu_layout.sharing_message(shared, entries)} GPU tensors go through host "
                "memory (MPI).")
     else:
-        why = next((f"rank {r}: {w}" for r, (_, _, _, w) in enumerate(ranks) if w), None)
-        if why is None and any(c for _, _, c, _ in ranks):
-            without = [r for r, (_, _, c, _) in enumerate(ranks) if not c]
+        why = next((f"rank {r}: {w}" for r, (_, _, _, w, *_) in enumerate(ranks) if w), None)
+        if why is None and any(c for _, _, c, *_ in ranks):
+            without = [r for r, (_, _, c, *_) in enumerate(ranks) if not c]
             why = (f"rank(s) {', '.join(map(str, without[:8]))} have no GPU, so GPU tensors "
                    "do not use NCCL; they go through host memory over MPI.")
     if why and topo.rank == 0:
         warnings.warn(why, RuntimeWarning, stacklevel=3)
     return None
+
+
+def device_hierarchy(env) -> bool:
+    """Whether device buffers use the hierarchical allreduce (NCCL inside the node, MPI across
+    nodes through host memory): only when ``HOROVOD_HIERARCHICAL_ALLREDUCE`` is set to a true
+    value in ``env``. Its default (on) is the host backend's, where it pays off; for device
+    buffers one flat NCCL communicator lets NCCL cross nodes itself, as Horovod does by
+    default (its hierarchical allreduce is off unless asked for)."""
+    return _flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE", False)

@@ -4,9 +4,11 @@
 host buffers, the negotiation and the other host collectives belong to the host backend, which
 :class:`~hpc_horovod.backends.routed.RoutedBackend` pairs it with; called on it, they raise "nccl
 does not support <op>". It keeps an MPI communicator of its own (``comm``) only to broadcast
-the NCCL id and to split the hierarchical stage's communicators. The NCCL communicator is
-created at the first device collective from a unique id made on rank 0 and broadcast over MPI;
-the engine reaches that point in the same order on every rank, as ncclCommInitRank requires.
+the NCCL id and to split the node levels' communicators (hierarchical allreduce, GPU Adasum).
+The NCCL communicator is created at the first device collective from a unique id made on rank 0
+and broadcast over MPI; the engine reaches that point in the same order on every rank, as
+ncclCommInitRank requires. Allreduce is one flat NCCL call across nodes unless the hierarchy
+was asked for (:class:`NcclBackend`).
 
 Ordering: all device work runs on the device's non-blocking stream
 (:class:`~hpc_horovod.common.gpu_stream.DeviceStream`, one per GPU and process). The binding
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -322,16 +325,32 @@ def _ptr(array) -> int:
     return array.data.ptr
 
 
+def release_framework_cache() -> None:
+    """Give the framework's cached, unused device blocks back to the driver (torch's caching
+    allocator: ``torch.cuda.empty_cache``), so that NCCL finds memory for a new communicator."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 # -- the backend -----------------------------------------------------------------------------------
 class NcclBackend(Backend):
     """A process set's device backend: NCCL for device buffers, over the ranks of ``comm`` (an
     mpi4py communicator this backend owns, used only to set NCCL up). The host-only methods
-    are :class:`~hpc_horovod.backends.base.Backend`'s refusals. ``node_id`` (this rank's node
-    index) turns on hierarchical allreduce where the set spans several nodes."""
+    are :class:`~hpc_horovod.backends.base.Backend`'s refusals.
+
+    Allreduce is one flat NCCL call over every rank of the set, across nodes too: NCCL's own
+    inter-node algorithms (ring and tree over the network, GPUDirect RDMA) carry it.
+    ``node_id`` (this rank's node index, the topology's) gives the node levels that Adasum uses
+    (:meth:`node_levels`); ``hierarchical`` (asked for explicitly, see
+    ``backends._nccl_backend``) turns allreduce into NCCL inside the node and MPI across nodes
+    through host memory, where the set spans several nodes with the same number of ranks each.
+    """
 
     name = "nccl"
 
-    def __init__(self, comm, device: int, *, node_id: int | None = None):
+    def __init__(self, comm, device: int, *, node_id: int | None = None,
+                 hierarchical: bool = False):
         import cupy
         from cupy.cuda import nccl
 
@@ -344,12 +363,15 @@ class NcclBackend(Backend):
         self._cupy, self._nccl = cupy, nccl
         self.device = int(device)
         self.node_id = node_id
+        self.hierarchical = hierarchical
         # Nothing touches the device here (init runs on the caller's thread, which may have no
         # context on it yet): the stream, the communicator and the buffers come with the first
         # device collective, on the thread that runs it, pinned to the device.
         self._device: DeviceStream = device_stream(self.device)
         self.fusion = FusionBuffers(self._allocate)
         self._nccl_comm = None
+        #: (node backend, cross-node MPI backend), False where there are none; None: not known
+        self._levels: tuple[NcclBackend, MpiBackend] | bool | None = None
         self._hierarchy: HierarchicalAllreduce | None = None
 
     # -- stream and memory -------------------------------------------------------------------------
@@ -387,7 +409,14 @@ class NcclBackend(Backend):
 
     def _create_communicator(self):
         """ncclCommInitRank over this set: rank 0 makes the id, MPI carries it (or rank 0's
-        failure, so that no rank waits for an id that never comes)."""
+        failure, so that no rank waits for an id that never comes).
+
+        A communicator may be created late, at a process set's first device collective inside
+        the backward pass, when the framework's caching allocator holds most of the GPU:
+        NCCL's own buffers then fail to allocate (ncclUnhandledCudaError). The framework's
+        cached, unused blocks are therefore released first (:func:`release_framework_cache`),
+        on every rank alike. A retry after a failure could not be made collective: a rank
+        whose init failed leaves its peers inside theirs."""
         nccl = self._nccl
         payload = None
         if self.rank == 0:
@@ -401,28 +430,41 @@ class NcclBackend(Backend):
         unique_id = deserialize_unique_id(
             data, unique_id_form(self._cupy.__version__, platform.machine()))
         pin_thread(self.device)
+        release_framework_cache()
         with _nccl_errors(nccl, "ncclCommInitRank"):
             return nccl.NcclCommunicator(self.size, unique_id, self.rank)
 
+    def node_levels(self) -> tuple[NcclBackend, MpiBackend] | None:
+        """(node, cross): an NCCL backend over this rank's node and an MPI backend over the
+        ranks with its local rank on every node; None when the set lies on one node, when
+        nodes hold different numbers of ranks (shards cannot line up) or when the node is
+        unknown. Collective over the set at the first call (the engine makes it in the same
+        order on every rank)."""
+        if self._levels is None:
+            self._levels = False
+            comms = node_comms(self.comm, self.node_id) if self.node_id is not None else None
+            if comms is not None:
+                local, cross = comms
+                if cross.Get_size() == 1:  # one node: nothing crosses nodes
+                    local.Free()
+                    cross.Free()
+                else:
+                    self._levels = (NcclBackend(local, self.device), MpiBackend(cross))
+        return self._levels or None
+
     def _hierarchical(self) -> HierarchicalAllreduce | None:
-        if self.node_id is None:
+        if not self.hierarchical:
             return None
         if self._hierarchy is None:
-            comms = node_comms(self.comm, self.node_id)
-            if comms is None:
+            levels = self.node_levels()
+            if levels is None:
                 if self.rank == 0:
-                    log.warning("HOROVOD_HIERARCHICAL_ALLREDUCE=1 needs the same number of "
-                                "ranks on every node; using a flat NCCL allreduce instead")
-                self.node_id = None
+                    log.warning("hierarchical allreduce needs several nodes with the same "
+                                "number of ranks each; using the flat NCCL allreduce")
+                self.hierarchical = False
                 return None
-            local, cross = comms
-            if cross.Get_size() == 1:  # one node: nothing crosses nodes, the flat allreduce
-                local.Free()           # is the same reduction in one NCCL call
-                cross.Free()
-                self.node_id = None
-                return None
-            self._hierarchy = HierarchicalAllreduce(
-                NcclBackend(local, self.device), CrossAllreduce(MpiBackend(cross), self.stream))
+            local, cross = levels
+            self._hierarchy = HierarchicalAllreduce(local, CrossAllreduce(cross, self.stream))
         return self._hierarchy
 
     def _const(self, name: str) -> int:
@@ -545,22 +587,30 @@ class NcclBackend(Backend):
         return None
 
     # -- health and lifetime -----------------------------------------------------------------------
+    def _node_backend(self) -> NcclBackend | None:
+        return self._levels[0] if self._levels else None
+
     def check_async_error(self) -> None:
         """Raise HorovodInternalError, naming this rank, if NCCL saw an asynchronous failure on
         one of this set's communicators (a peer or a link lost); cheap to poll."""
-        if self._hierarchy is not None:
-            self._hierarchy.local.check_async_error()
+        node = self._node_backend()
+        if node is not None:
+            node.check_async_error()
         if self._nccl_comm is not None:
             with _nccl_errors(self._nccl, f"communication on rank {self.rank}"):
                 self._nccl_comm.check_async_error()
 
     def abort(self) -> None:
-        """End this set's NCCL communicators at once (``ncclCommAbort``), the hierarchical
-        node-local one too: their kernels stop, so no stream and no thread waiting on one
-        stays blocked behind a collective whose peer is gone. The engine calls it when it
-        stops on an error; the MPI communicator stays for :meth:`free`."""
-        if self._hierarchy is not None:
-            self._hierarchy.local.abort()
+        """End this set's NCCL communicators at once (``ncclCommAbort``), the node-local one
+        too: their kernels stop, so no stream and no thread waiting on one stays blocked
+        behind a collective whose peer is gone. The fusion buffers go back to the framework's
+        allocator (in the stream's order): an abandoned backend keeps no device memory. The
+        engine calls it when it stops on an error; the MPI communicator stays for
+        :meth:`free`."""
+        node = self._node_backend()
+        if node is not None:
+            node.abort()
+        self.fusion.clear()
         if self._nccl_comm is not None:
             comm, self._nccl_comm = self._nccl_comm, None
             log.warning("rank %d: aborting the NCCL communicator after an error", self.rank)
@@ -574,7 +624,8 @@ class NcclBackend(Backend):
         comm = sub_communicator(self.comm, ranks)
         if comm is None:
             return None
-        return NcclBackend(comm, self.device, node_id=self.node_id)
+        return NcclBackend(comm, self.device, node_id=self.node_id,
+                           hierarchical=self.hierarchical)
 
     def free_device(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Destroy the NCCL communicators and drop the device buffers once the stream has
@@ -583,11 +634,12 @@ class NcclBackend(Backend):
         ``timeout_s`` passes) the communicators are aborted instead, which ends their kernels:
         neither this call nor the framework's later waits on the stream hang."""
         drained = self._drain(timeout_s)
-        if self._hierarchy is not None:
-            self._hierarchy.local.free_device(timeout_s if drained else 0.0)
-            free_communicator(self._hierarchy.local.comm)
-            self._hierarchy.cross_allreduce.cross.free()
-            self._hierarchy = None
+        if self._levels:
+            node, cross = self._levels
+            node.free_device(timeout_s if drained else 0.0)
+            free_communicator(node.comm)
+            cross.free()
+        self._levels = self._hierarchy = None
         if self._nccl_comm is not None:
             comm, self._nccl_comm = self._nccl_comm, None
             if drained:

@@ -46,9 +46,9 @@ class RoutedBackend(Backend):
         check()
         self.host.negotiate(words, timeout_s, DeviceWatch(alarm, check))
 
-    def allgather_object(self, obj, timeout_s: float = 0.0, alarm=None) -> list:
+    def agree(self, obj, decide, timeout_s: float = 0.0, alarm=None):
         check = self.on_device.check_async_error
-        return self.host.allgather_object(obj, timeout_s, DeviceWatch(alarm, check))
+        return self.host.agree(obj, decide, timeout_s, DeviceWatch(alarm, check))
 
     def allgather_ints(self, values: np.ndarray, timeout_s: float = 0.0,
                        alarm=None) -> np.ndarray:
@@ -90,6 +90,10 @@ class RoutedBackend(Backend):
 
     def check_async_error(self) -> None:
         self.on_device.check_async_error()
+
+    def node_levels(self):
+        """The device backend's node levels (``NcclBackend.node_levels``), for Adasum."""
+        return self.on_device.node_levels()
 
     def abort(self) -> None:
         self.on_device.abort()

@@ -129,10 +129,21 @@ def adasum_one(backend, sig: Signature, req: Request | None) -> None:
     applied as a binary tree over ranks in order, computed identically on every rank from the
     gathered vectors (in float64). Device tensors are staged through host memory
     (:func:`adasum_host_input`): the combination is numpy code, and the gather then goes over
-    MPI with the host buffers on both sides."""
+    MPI with the host buffers on both sides.
+
+    On GPUs spread over several nodes it is Horovod's GPU Adasum: the ranks of a node first
+    average their tensors with NCCL (:func:`node_average`), and Adasum combines the nodes'
+    averages only (Horovod's ``adasum_gpu_operations.cc``, which starts the Adasum tree at the
+    level ``local_size``). The device backend's ``node_levels`` gives the node and the
+    cross-node backends, None where the ranks lie on one node or nodes differ in size."""
     dtype = np.dtype(sig.dtype)
     n = math.prod(sig.shape)
-    local = adasum_host_input(req.tensor if req is not None else None, n, sig.prescale)
+    tensor, prescale = (req.tensor if req is not None else None), sig.prescale
+    levels = backend.node_levels() if sig.device and hasattr(backend, "node_levels") else None
+    if levels is not None:
+        node, backend = levels
+        tensor, prescale = node_average(node, tensor, n, prescale, array_module(sig)), 1.0
+    local = adasum_host_input(tensor, n, prescale)
     gathered = np.empty(n * backend.size, dtype=np.float64)
     backend.allgatherv(local, gathered, [n] * backend.size)
     vectors = list(gathered.reshape(backend.size, n))
@@ -153,6 +164,18 @@ def adasum_one(backend, sig: Signature, req: Request | None) -> None:
             req.output[...] = result
             result = req.output
         req.result = result
+
+
+def node_average(node, tensor, n: int, prescale: float, xp):
+    """The average over ``node``'s ranks of this rank's tensor times ``prescale``, in float64
+    on the device (a joined rank contributes zeros): the input of the cross-node Adasum."""
+    if tensor is None:
+        wide = xp.zeros(n, dtype=np.float64)
+    else:
+        wide = tensor.reshape(-1).astype(np.float64) * prescale
+    node.allreduce(wide, Sum)
+    wide *= 1.0 / node.size
+    return wide
 
 
 def adasum_host_input(tensor, n: int, prescale: float) -> np.ndarray:

@@ -104,12 +104,14 @@ def select_gpu(local_rank: int, local_size: int, env: Mapping[str, str],
             "`--gres=gpu:N` on the srun line when the step does not inherit the job's GPUs), "
             "and check that the CUDA driver works on the node (`srun nvidia-smi`)."
         )
-    if exclusive and local_size > count and same_devices_on_node(env):
+    if exclusive and local_size > count and same_devices_on_node(env) \
+            and not sharing_allowed(-(-local_size // count), _nccl_version(), env):
         raise GpuLayoutError(
             f"{local_size} ranks run on this node but they see only {count} GPU(s) ({where}): "
-            "two ranks would share one GPU, which NCCL refuses. Start one rank per GPU: "
+            "ranks would share a GPU, which NCCL refuses. Start one rank per GPU: "
             f"`--ntasks-per-node={count}` (the number of GPUs per node), or give each task its "
-            "own GPU with `srun --gpus-per-task=1`."
+            "own GPU with `srun --gpus-per-task=1`. NCCL 2.30 or newer accepts up to "
+            f"{MAX_RANKS_PER_GPU} ranks per GPU with NCCL_MULTI_RANK_GPU_ENABLE=1."
         )
     return local_rank % count
 
@@ -131,16 +133,40 @@ def runtime_count(framework: str | None) -> int | None:
     return None
 
 
+#: NCCL >= 2.30 runs up to this many ranks on one GPU; more may hang (NCCL's documentation of
+#: NCCL_MULTI_RANK_GPU_ENABLE: "up to 2 ranks per GPU").
+MAX_RANKS_PER_GPU = 2
+
+
+def _nccl_version() -> int:
+    from .gpu_probe import nccl_built
+
+    return nccl_built()
+
+
+def multi_rank_flag(env: Mapping[str, str]) -> bool:
+    """Whether ``NCCL_MULTI_RANK_GPU_ENABLE=1`` is set in ``env``."""
+    return env.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() == "1"
+
+
 def multi_rank_gpu_allowed(nccl_version: int, env: Mapping[str, str]) -> bool:
     """NCCL accepts several ranks on one GPU only from 2.30, and only with
     ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (older releases fail: "Duplicate GPU detected")."""
     return (bool(nccl_version) and nccl_version_tuple(nccl_version) >= (2, 30, 0)
-            and env.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() == "1")
+            and multi_rank_flag(env))
+
+
+def sharing_allowed(ranks_per_gpu: int, nccl_version: int, env: Mapping[str, str]) -> bool:
+    """Whether NCCL runs ``ranks_per_gpu`` ranks on one GPU: always one; two (at most
+    :data:`MAX_RANKS_PER_GPU`) where :func:`multi_rank_gpu_allowed`."""
+    return ranks_per_gpu <= 1 or (ranks_per_gpu <= MAX_RANKS_PER_GPU
+                                  and multi_rank_gpu_allowed(nccl_version, env))
 
 
 def shared_gpus(entries: Sequence[tuple[object, str | None]]) -> list[list[int]]:
-    """The groups of ranks that would share one GPU: ``entries[rank]`` is (node, the PCI bus
-    id of the rank's GPU, or None for a rank without one)."""
+    """The groups of ranks that would share one GPU: ``entries[rank]`` is (the rank's node
+    index, the PCI bus id of its GPU, or None for a rank without one). The node is the
+    topology's index, not the hostname: containers and fake nodes may share a hostname."""
     owners: dict[tuple[object, str], list[int]] = {}
     for rank, (node, bus_id) in enumerate(entries):
         if bus_id is not None:
@@ -158,7 +184,8 @@ def sharing_message(groups: list[list[int]], entries: Sequence[tuple[object, str
             "(\"Duplicate GPU detected\"). Start one rank per GPU: `--ntasks-per-node` = GPUs "
             "per node, or `srun --gpus-per-task=1`; a launcher that sets CUDA_VISIBLE_DEVICES "
             "per rank must give each rank of a node a different GPU. NCCL 2.30 or newer "
-            "accepts it with NCCL_MULTI_RANK_GPU_ENABLE=1.")
+            f"accepts up to {MAX_RANKS_PER_GPU} ranks per GPU with "
+            "NCCL_MULTI_RANK_GPU_ENABLE=1 (set on rank 0).")
 
 
 def device_bus_id(device: int) -> str:

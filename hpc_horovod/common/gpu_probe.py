@@ -175,19 +175,20 @@ def kernel_failure(exc: BaseException | None, runtime_version: int | None) -> st
             f"tensors go through host memory. Install {toolkit_hint(runtime_version)}.")
 
 
-_KERNEL_PROBE: dict[str, bool] = {}
+#: the kernel probe's answer, once per process: the failure text, or None when kernels work
+_KERNEL_PROBE: dict[str, str | None] = {}
 
 
-def kernels_work(device: int) -> bool:
-    """Whether CuPy compiles and runs kernels here: one float16 elementwise kernel (NVRTC and
-    ``cuda_fp16.h``, which every pack, scale and widening kernel of the engine needs), run
-    once per process on ``device`` (a GPU that already has a context: the caller's tensor is
-    there). When it fails, one warning says why and what to install, and the answer stays
-    False: the caller then stages GPU tensors through host memory."""
+def kernel_problem(device: int) -> str | None:
+    """Why CuPy cannot compile and run kernels here (:func:`kernel_failure`'s text), or None
+    when it can: one float16 elementwise kernel (NVRTC and ``cuda_fp16.h``, which every pack,
+    scale and widening kernel of the engine needs), run once per process on ``device``, which
+    gets a context (the rank's own GPU, or the GPU of the caller's tensor). Without CuPy the
+    answer is a short text too: no kernels run without it."""
     cupy = cupy_or_none()
-    if cupy is None:  # no CuPy: staged through host memory, as documented, without a word
-        return False
-    if "ok" not in _KERNEL_PROBE:
+    if cupy is None:
+        return f"CuPy is not installed ({install_hint(None)})"
+    if "text" not in _KERNEL_PROBE:
         from .gpu_stream import on_device
 
         error: BaseException | None = None
@@ -204,8 +205,18 @@ def kernels_work(device: int) -> bool:
         except Exception as exc:  # noqa: BLE001 - any failure means: no device kernels here
             error = exc
         pool.free_all_blocks()
-        _KERNEL_PROBE["ok"] = error is None
-        text = kernel_failure(error, cuda_runtime_version())
-        if text is not None:
-            warnings.warn(text, RuntimeWarning, stacklevel=2)
-    return _KERNEL_PROBE["ok"]
+        _KERNEL_PROBE["text"] = kernel_failure(error, cuda_runtime_version())
+    return _KERNEL_PROBE["text"]
+
+
+def kernels_work(device: int) -> bool:
+    """Whether CuPy compiles and runs kernels here (:func:`kernel_problem`), for one process.
+    When it cannot, one warning says why and what to install, and the caller stages GPU
+    tensors through host memory. Without CuPy: False, without a word (as documented)."""
+    if cupy_or_none() is None:
+        return False
+    first = "text" not in _KERNEL_PROBE
+    text = kernel_problem(device)
+    if first and text is not None:
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+    return text is None

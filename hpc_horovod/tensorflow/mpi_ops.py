@@ -186,6 +186,7 @@ def _collective(run: Runner, inputs: list[tf.Tensor], out_dtypes: list[tf.DType]
                 out_shapes: list, prefix: str, name: str | None):
     """Run ``run(host_arrays, name) -> host_arrays``: now (eager) or as one graph op."""
     run = core.synchronous(run)  # it waits for what it submits
+    staging.note_gpu_staging(inputs, basics.rank)
 
     def run_on_host(arrays, name):
         results = run([_to_engine(np.asarray(a)) for a in arrays], name)

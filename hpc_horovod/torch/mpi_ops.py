@@ -25,7 +25,8 @@ from ..common.request import (
     reducescatter_request,
 )
 from ..common.types import Adasum, Average, Sum
-from .adapter import engine_array, to_torch, write_back
+from . import adapter
+from .adapter import to_torch, write_back
 from .compression import Compression
 
 #: torch handle (the handle of the op's first engine request) -> (the op's engine handles, the
@@ -45,6 +46,40 @@ def shutdown() -> None:
     """Stop hpc_horovod on every rank; pending handles raise."""
     basics.shutdown()
     _handle_map.clear()
+
+
+def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False):
+    """``adapter.engine_array``, with the input's memory kept for the engine's stream: a CUDA
+    tensor handed over as a device view (or the contiguous copy made for it here) is marked as
+    used by that stream (``record_stream``). Its block belongs to the stream that allocated it
+    (a producer's side stream, or the current one for the copy), and torch's allocator would
+    hand it out there again once the tensor is freed, while NCCL may still read it on the
+    engine's stream; marked, torch waits for the engine's stream first. The request holds the
+    view until the engine has queued its collective, so the mark covers every read of it."""
+    if not tensor.is_cuda:
+        return adapter.engine_array(tensor, op_name, inplace)
+    if not inplace and not tensor.is_contiguous():
+        tensor = tensor.detach().contiguous()  # the copy the view will be of
+    array = adapter.engine_array(tensor, op_name, inplace)
+    if not isinstance(array, np.ndarray):
+        tensor.record_stream(_engine_stream(array.device.id))
+    return array
+
+
+#: device -> the engine's stream on it, as torch sees it
+_engine_streams: dict[int, torch.cuda.ExternalStream] = {}
+
+
+def _engine_stream(device: int) -> torch.cuda.ExternalStream:
+    stream = _engine_streams.get(device)
+    if stream is None:
+        from ..common import gpu_stream
+
+        with gpu_stream.on_device(device):  # the caller's device back afterwards
+            ptr = gpu_stream.device_stream(device).stream.ptr
+        stream = _engine_streams[device] = torch.cuda.ExternalStream(
+            ptr, device=torch.device("cuda", device))
+    return stream
 
 
 def _submit(requests: list) -> list[int]:

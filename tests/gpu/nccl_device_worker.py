@@ -192,14 +192,24 @@ else:
     raise AssertionError("a broadcast from a rank outside the communicator did not fail")
 flat.free()
 
-# Hierarchical allreduce: all ranks on one node (no cross-node stage: the flat allreduce),
-# then every rank a node of its own (the inter-node step, through host memory, carries all).
-for node_id in (0, rank):
-    backend = NcclBackend(comm.Dup(), device, node_id=node_id)
+# Hierarchical allreduce, asked for: all ranks on one node (no cross-node stage: the flat
+# allreduce), every rank a node of its own (the inter-node step, through host memory, carries
+# all), and fake nodes of two ranks (node = rank // 2) where the ranks pair up.
+for node_id in (0, rank, rank // 2):
+    backend = NcclBackend(comm.Dup(), device, node_id=node_id, hierarchical=True)
     check_allreduce(backend)
     check_stream_ordering(backend)
     if node_id == 0:
-        assert backend.node_id is None and backend._hierarchy is None, "one node: flat"
+        assert not backend.hierarchical and backend._hierarchy is None, "one node: flat"
     backend.free()
+# Not asked for: one flat NCCL allreduce across nodes, whatever the node ids.
+backend = NcclBackend(comm.Dup(), device, node_id=rank // 2)
+check_allreduce(backend)
+assert backend._hierarchy is None and backend._levels is None, "flat by default"
+# abort() gives the fusion buffers back (an abandoned backend keeps no device memory)
+backend.fusion_buffer(np.float32, 1 << 20)
+backend.abort()
+assert not backend.fusion._buffers
+backend.free()
 
 print(f"rank {rank}: nccl ok", flush=True)

@@ -1,12 +1,12 @@
-"""Run on 3 ranks with NCCL by test_device_failures.py: rank 1 fails while every rank has a
+"""Run on 2 or 3 ranks with NCCL by test_device_failures.py: rank 1 fails while every rank has a
 device allreduce in flight, and the job must end, naming rank 1.
 
 * ``kill``: rank 1 SIGKILLs itself right after its allreduce is queued (its kernel dies with
-  it); ranks 0 and 2 wait for their results on the device.
+  it); the other ranks wait for their results on the device.
 * ``linger``: rank 1's allreduce is queued behind a long kernel of its own (its NCCL kernel
   does not start), then rank 1 fails with an error and stays alive for 90 s, as a process
-  stuck in its own clean-up would: the launcher does not end the job for the others, so ranks
-  0 and 2 must get out of their device wait by themselves (their engine stops on rank 1's
+  stuck in its own clean-up would: the launcher does not end the job for the others, so the
+  other ranks must get out of their device wait by themselves (their engine stops on rank 1's
   error and aborts NCCL). Each prints ``rank R: released after S s`` when its wait returns.
 
 Rank 1 writes the wall-clock time it fails at into $JOB_END_MARK.

@@ -1,4 +1,4 @@
-"""Run on every rank by test_log.py: three training steps of two gradients reduced as one
+"""Run on every rank by test_log_ranks.py: three training steps of two gradients reduced as one
 group (``grad.0``, ``grad.1``) and one broadcast (``weights``), so that the ranks agree on three
 names once and reuse their plans afterwards; each rank then prints that it is done. With the
 argument ``late``, the last rank starts 2 s late: rank 0 warns of the stall

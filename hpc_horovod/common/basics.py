@@ -27,6 +27,7 @@ from .log import log
 from .request import Request, control_signature
 from .streams import line_buffered
 from .timeline import Timeline
+from .whereabouts import IDLE, rank_list
 
 
 class ProcessSet:
@@ -139,9 +140,11 @@ class Runtime:
             if bad:
                 raise ValueError(f"process set ranks {bad} are outside the job of size "
                                  f"{topo.size}")
+            engine.whereabouts.setting_up(f"creating process set {rank_list(ps.ranks)}")
             ps_id = engine.add_static_process_set(ps.ranks, composed.backend.sub(ps.ranks))
             ps.process_set_id = ps_id
             self.process_sets[ps_id] = ps
+        engine.whereabouts.now = IDLE
         engine.start()
 
     def next_name(self, process_set_id: int, kind: str) -> str:

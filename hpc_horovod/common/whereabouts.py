@@ -50,7 +50,10 @@ def _names(names) -> str:
 class Whereabouts:
     """What the engine of this rank is doing: ``now``, one tuple replaced whole.
 
-    ``("idle", 0)``; ``("negotiation", since, process set id)``; or ``("data", since, kind,
+    ``("idle", 0)``; ``("setup", since, what)`` while ``init`` builds what the engine needs
+    with MPI calls of its own (a process set's communicators and window: only its members
+    take part, so the others may already wait for them in a negotiation);
+    ``("negotiation", since, process set id)``; or ``("data", since, kind,
     names, start, stop, nbytes, process set id)`` while the step of a plan whose names are
     ``names[start:stop]`` runs in the backend. What runs per step stores the tuple and
     nothing else: the watch's thread computes its deadline (:meth:`overdue`).
@@ -64,6 +67,9 @@ class Whereabouts:
 
     def negotiating(self, ps_id: int) -> None:
         self.now = ("negotiation", time.monotonic(), ps_id)
+
+    def setting_up(self, what: str) -> None:
+        self.now = ("setup", time.monotonic(), what)
 
     def enter(self, kind: str, names: list[str], start: int, stop: int, nbytes: int,
               ps_id: int) -> None:
@@ -91,6 +97,8 @@ class Whereabouts:
                     f"{ps_id})")
         elif phase == "negotiation":
             what = f"in the negotiation of process set {state[2]}"
+        elif phase == "setup":
+            what = f"in hvd.init, {state[2]}"
         else:
             return {"phase": phase, "what": "idle (outside a collective)", "for_s": 0.0}
         return {"phase": phase, "what": what, "for_s": round(now - since, 1)}

@@ -45,6 +45,10 @@ def test_a_census_answer_says_where_the_engine_is_and_since_when():
                                      "process set 2)")
     here.negotiating(1)
     assert here.answer()["what"] == "in the negotiation of process set 1"
+    here.setting_up("creating process set 1, 3")
+    answer = here.answer(now=here.now[1] + 120.0)
+    assert answer == {"phase": "setup", "what": "in hvd.init, creating process set 1, 3",
+                      "for_s": 120.0}
 
 
 def _data(what: str, for_s: float) -> dict:

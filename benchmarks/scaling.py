@@ -122,7 +122,7 @@ def worker(args) -> None:
     # its decision broadcast), the cheap phase's as one AND allreduce.
     mine = pending_list(names_of(0, args.names))
     payload = pickle.dumps((mine, False, False), pickle.HIGHEST_PROTOCOL)
-    backend = MpiBackend(comm.Dup())
+    exchanger = MpiBackend(comm.Dup())
     gathered = []
 
     def decide(lists):
@@ -130,7 +130,7 @@ def worker(args) -> None:
         return match([g[0] for g in lists], set(), list(range(size)))
 
     def exchange() -> None:
-        backend.agree((mine, False, False), decide)
+        exchanger.agree((mine, False, False), decide)
 
     words = np.zeros(3, np.uint64)
     exchange_s = [timed(exchange) for _ in range(args.reps)]
@@ -161,7 +161,7 @@ def worker(args) -> None:
         first_s.append(timed(lambda names=names: step(names)))
         steady_s += [timed(lambda names=names: step(names)) for _ in range(args.steps)]
     hvd.shutdown()
-    backend.free()
+    exchanger.free()
     if rank == 0:
         print("RESULT " + json.dumps({
             "ranks": size, "backend": backend, "init_s": init_s,

@@ -56,7 +56,7 @@ def engine_array(tensor: torch.Tensor, op_name: str, inplace: bool = False):
     hand it out there again once the tensor is freed, while NCCL may still read it on the
     engine's stream; marked, torch waits for the engine's stream first. The request holds the
     view until the engine has queued its collective, so the mark covers every read of it."""
-    if not tensor.is_cuda:
+    if not getattr(tensor, "is_cuda", False):  # host tensors, and what adapter refuses
         return adapter.engine_array(tensor, op_name, inplace)
     if not inplace and not tensor.is_contiguous():
         tensor = tensor.detach().contiguous()  # the copy the view will be of

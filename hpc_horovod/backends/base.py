@@ -49,6 +49,12 @@ class Backend:
         in :meth:`negotiate`."""
         self._unsupported("allgather_ints")
 
+    def node_levels(self):
+        """(the backend of this rank's node, the backend across nodes among ranks of the same
+        local rank) for Adasum on devices, or None where there are no such levels (host
+        backends; one node; nodes of different sizes)."""
+        return None
+
     def alltoall_ints(self, values: np.ndarray) -> np.ndarray:
         """int64 ``values[i]`` sent to rank i; returns what each rank sent to this one."""
         self._unsupported("alltoall_ints")

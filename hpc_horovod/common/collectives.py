@@ -139,7 +139,7 @@ def adasum_one(backend, sig: Signature, req: Request | None) -> None:
     dtype = np.dtype(sig.dtype)
     n = math.prod(sig.shape)
     tensor, prescale = (req.tensor if req is not None else None), sig.prescale
-    levels = backend.node_levels() if sig.device and hasattr(backend, "node_levels") else None
+    levels = backend.node_levels() if sig.device else None
     if levels is not None:
         node, backend = levels
         tensor, prescale = node_average(node, tensor, n, prescale, array_module(sig)), 1.0
